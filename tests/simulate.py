@@ -68,8 +68,8 @@ def simulate(n, g, epochs, max_steps, behaviour, policy, trainer_start=0, engine
         if policy is Policy.REALIGN:
             tu = eu
             trainer_steps = engine_steps
-        if ran == 0 and stop is False and first >= n:
-            continue
+        if ran == 0 and not stop:
+            continue  # a resumed epoch with nothing left to run
         if ran == 0:
             break
         partial = n % g if (not stop or s + 1 == n) and s + 1 == n and behaviour.trainer_rule is TrainerRule.EPOCH_END and policy is not Policy.DROP_LAST else 0

@@ -1,0 +1,357 @@
+"""``StepSyncCallback``: wires Trainer events to the forecast, the drift check and a policy."""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Optional, Union
+
+from transformers import TrainerCallback
+
+from . import engine as engine_adapter
+from .choices import Policy
+from .forecast import Forecast, RunPlan, forecast, resume_position
+from .policies import PolicyAction, RealignAction, action_for
+from .report import Cause, DriftEvent, StepDriftError, StepSyncConfigError, SyncReport
+from .versions import Stack, StackBehaviour, behaviour_of
+
+logger = logging.getLogger("stepsync")
+
+METRIC_KEYS = ("stepsync/trainer_steps", "stepsync/engine_steps", "stepsync/drift")
+INHERITED_REMEDY = ("resume from a checkpoint whose folder and DeepSpeed tag agree (see `stepsync inspect`), "
+                    "or use policy='realign' to adopt the engine's count")
+
+
+class RunTracker:
+    """Where the run is, as stepsync counts it: epoch, position in the epoch, engine counters.
+
+    Attributes:
+        epoch: 0-based epoch now running (``-1`` before the first ``on_epoch_begin``).
+        position: micro-batches done in this epoch (the Trainer's ``step + 1``).
+        micro_batches: micro-batches done since ``on_train_begin``.
+        t_before_epoch: the Trainer's cross-epoch micro-batch counter before this epoch's position 0.
+        engine_steps_seen: ``engine.global_steps`` after the last micro-batch.
+        since_engine_update: micro-batches the engine accumulated since its last update.
+    """
+
+    def __init__(self, callback: "StepSyncCallback", engine: Any, behaviour: StackBehaviour,
+                 n: Optional[int], g: int, start_epoch: int, skip: int, is_main: bool) -> None:
+        self.callback = callback
+        self.engine = engine
+        self.facts = engine_adapter.engine_facts(engine)
+        self.behaviour = behaviour
+        self.n = n
+        self.g = g
+        self.is_main = is_main
+        self.report = callback.report
+        self.epoch = start_epoch - 1
+        self.start_epoch = start_epoch
+        self.skip = skip
+        self.position = 0
+        self.micro_batches = 0
+        self.t_before_epoch = 0
+        self.engine_steps_seen = engine.global_steps
+        self.since_engine_update = 0
+
+    def note(self, text: str) -> None:
+        self.report.notes.append(text)
+        if self.is_main:
+            logger.info("stepsync: %s", text)
+
+    def error(self, text: str) -> None:
+        self.report.notes.append(text)
+        logger.error("stepsync: %s", text)
+
+    def replace_action(self, action: PolicyAction) -> PolicyAction:
+        self.callback._action = action
+        return action
+
+    def fall_back(self, reason: Optional[str]) -> PolicyAction:
+        """Switch to ``realign`` for the rest of the run, never silently drifting on."""
+        if reason:
+            self.error(f"{reason}; falling back to policy 'realign'")
+        self.report.policy = Policy.REALIGN
+        action = RealignAction()
+        action.begin(self)
+        return self.replace_action(action)
+
+
+def _guarded(hook):
+    """Run a hook; an internal failure switches stepsync off for the run instead of killing it."""
+
+    @functools.wraps(hook)
+    def wrapper(self: "StepSyncCallback", args, state, control, **kwargs):
+        if self._run is None and hook.__name__ not in ("on_init_end", "on_train_begin"):
+            return None
+        try:
+            return hook(self, args, state, control, **kwargs)
+        except (StepDriftError, StepSyncConfigError):
+            raise
+        except Exception as exc:  # a monitor must not end a long run
+            self._switch_off(f"internal error in {hook.__name__}: {exc!r}")
+            return None
+
+    return wrapper
+
+
+class StepSyncCallback(TrainerCallback):
+    """Keeps ``state.global_step`` and the DeepSpeed engine's ``global_steps`` in agreement.
+
+    Before training it forecasts both counts per epoch; at every step end and epoch end it
+    compares them, logs each change of the drift (logger ``stepsync``, rich output on rank 0),
+    adds ``stepsync/*`` metrics to every log record, and applies ``policy``.
+
+    Args:
+        policy: ``"warn"`` (default; report only), ``"raise"`` (stop at the first divergence),
+            ``"sync"`` (DeepSpeed's boundary follows the Trainer's), ``"realign"`` (the Trainer's count
+            follows the engine's) or ``"drop_last"`` (train only full accumulation windows); a
+            :class:`stepsync.Policy` member works too.
+        console: a ``rich.console.Console`` for tables and panels on rank 0, ``None`` for one on
+            stderr, or ``False`` for none (the logger still speaks).
+
+    Raises:
+        ValueError: for an unknown policy or a console that is not a rich Console.
+        StepDriftError: with ``policy="raise"``, at the first divergence, on every rank.
+
+    Example::
+
+        from stepsync import StepSyncCallback
+        trainer = Trainer(model=model, args=TrainingArguments(..., deepspeed=ds_config,
+                          gradient_accumulation_steps=2), train_dataset=data,
+                          callbacks=[StepSyncCallback(policy="sync")])
+        trainer.train()
+        print(trainer.callback_handler.callbacks[-1].report.drift)
+    """
+
+    def __init__(self, policy: Union[str, Policy] = Policy.WARN, console: Any = None) -> None:
+        self.policy = Policy.parse(policy)
+        if console is not None and console is not False and not hasattr(console, "print"):
+            raise ValueError(f"console must be a rich.console.Console, None or False, got {type(console).__name__}")
+        self._console_choice = console
+        self.report = SyncReport(self.policy)
+        self._action = action_for(self.policy)
+        self._run: Optional[RunTracker] = None
+        self._init_notes: list = []
+
+    # ----------------------------------------------------------------- hooks
+
+    @_guarded
+    def on_init_end(self, args, state, control, **kwargs):
+        self._action.init_end(args, self._init_notes.append)
+
+    @_guarded
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        self._run = None
+        self.report = SyncReport(self.policy, notes=list(self._init_notes))
+        self._action = action_for(self.policy)
+        trainer = engine_adapter.find_trainer(self)
+        if trainer is None:
+            return self._deactivate("could not find the Trainer that runs this callback", logging.WARNING, state)
+        if not engine_adapter.uses_deepspeed(trainer, args):
+            return self._deactivate("the Trainer does not use DeepSpeed: nothing to check", logging.INFO, state)
+        engine = engine_adapter.find_engine(trainer)
+        if engine is None:
+            return self._deactivate("DeepSpeed is configured but no engine with global_steps was found "
+                                    "(trainer.model_wrapped); stepsync cannot check this run", logging.WARNING, state)
+        self._begin(args, state, control, engine, train_dataloader)
+
+    @_guarded
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        run = self._run
+        run.epoch += 1
+        run.position = run.skip if run.epoch == run.start_epoch else 0
+        run.t_before_epoch = run.micro_batches - run.position
+        self._action.before_micro_batch(run)
+
+    @_guarded
+    def on_substep_end(self, args, state, control, **kwargs):
+        self._after_micro_batch(args, state, control, trainer_updated=False)
+
+    @_guarded
+    def on_step_end(self, args, state, control, **kwargs):
+        self._after_micro_batch(args, state, control, trainer_updated=True)
+
+    @_guarded
+    def on_epoch_end(self, args, state, control, **kwargs):
+        run = self._run
+        run.engine_steps_seen = run.engine.global_steps
+        self._action.at_epoch_end(run, args, state, control)
+        self._check(state, "epoch_end")
+        self._compare_with_forecast(state)
+
+    @_guarded
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None:
+            return
+        metrics = self._metrics(state)
+        logs.update(metrics)
+        # The Trainer appended this record to log_history before calling us: complete it there too.
+        if state.log_history and all(state.log_history[-1].get(k) == v for k, v in logs.items() if k in state.log_history[-1]):
+            state.log_history[-1].update(metrics)
+
+    @_guarded
+    def on_train_end(self, args, state, control, **kwargs):
+        run = self._run
+        self._action.end(run)
+        self._read_counts(state)
+        self.report.unapplied_micro_batches = run.since_engine_update
+        self.report.finished = True
+        if run.is_main:
+            logger.info("stepsync: Trainer counted %d updates, engine made %d (drift %+d)",
+                        self.report.trainer_steps, self.report.engine_steps, self.report.drift)
+            self._show("summary_view", self.report)
+
+    # ----------------------------------------------------------------- logic
+
+    def _begin(self, args, state, control, engine, train_dataloader) -> None:
+        try:
+            n = len(train_dataloader)
+        except TypeError:
+            n = None
+        g = args.gradient_accumulation_steps
+        behaviour = behaviour_of(Stack.installed())
+        plan = None
+        start_epoch, skip = 0, 0
+        if n is not None and n > 0:
+            plan = RunPlan(n, g, args.num_train_epochs, args.max_steps, state.global_step, engine.global_steps)
+            start_epoch, skip = resume_position(plan, behaviour)
+        else:
+            n = None
+        run = self._run = RunTracker(self, engine, behaviour, n, g, start_epoch, skip, state.is_world_process_zero)
+        self.report.active = True
+        self.report.planned_steps = state.max_steps
+        if n is None:
+            run.note("the train dataloader has no length: no forecast, and 'sync'/'drop_last' cannot plan windows")
+        if run.facts.gradient_accumulation_steps not in (None, g):
+            run.error(f"the engine's gradient_accumulation_steps={run.facts.gradient_accumulation_steps} differs "
+                      f"from the Trainer's {g}: fix the DeepSpeed config (use \"auto\")")
+        if not behaviour.measured:
+            run.note(f"{behaviour.stack} was not measured by stepsync: the forecast is inferred from release notes")
+        self._read_counts(state)
+        self.report.inherited_drift = self.report.drift
+        self._action.begin(run)
+        if plan is not None:
+            self.report.forecast = forecast(plan, behaviour, self.report.policy)
+            if self.report.forecast.planned_steps != state.max_steps:
+                run.note(f"the Trainer planned max_steps={state.max_steps}, the forecast "
+                         f"{self.report.forecast.planned_steps}: the forecast may be off for this release")
+            if run.is_main:
+                logger.info("stepsync forecast: %s", self.report.forecast.verdict())
+                self._show("forecast_view", self.report.forecast)
+        self._last_drift = 0
+        self._check(state, "train_begin")
+        self._run_before_reporters()
+
+    def _after_micro_batch(self, args, state, control, trainer_updated: bool) -> None:
+        run = self._run
+        run.position += 1
+        run.micro_batches += 1
+        engine_steps = run.engine.global_steps
+        engine_updated = engine_steps != run.engine_steps_seen
+        run.since_engine_update = 0 if engine_updated else run.since_engine_update + 1
+        run.engine_steps_seen = engine_steps
+        self._action.after_micro_batch(run, trainer_updated, engine_updated, args, state, control)
+        if trainer_updated:
+            self._check(state, "step_end")
+        self._action.before_micro_batch(run)
+
+    def _check(self, state, where: str) -> None:
+        run = self._run
+        self.report.trainer_steps = state.global_step
+        self.report.engine_steps = run.engine_steps_seen
+        drift = self.report.drift
+        if drift == self._last_drift:
+            return
+        event = DriftEvent(
+            epoch=max(run.epoch, 0) + 1,
+            micro_batch=run.position if where != "train_begin" else 0,
+            trainer_steps=state.global_step,
+            engine_steps=run.engine_steps_seen,
+            previous_drift=self._last_drift,
+            cause=self._cause(where, drift),
+            remedy=INHERITED_REMEDY if where == "train_begin" else run.behaviour.remedy,
+            where=where,
+        )
+        self._last_drift = drift
+        self.report.events.append(event)
+        if run.is_main:
+            logger.warning("stepsync: %s", event.message())
+            self._show("drift_panel", event)
+        self._action.on_drift(event)
+
+    def _cause(self, where: str, drift: int) -> Cause:
+        run = self._run
+        if where == "train_begin":
+            return Cause.INHERITED
+        if drift < self._last_drift:
+            return Cause.ENGINE_AHEAD
+        if run.n is not None and run.position == run.n:
+            return Cause.TINY_EPOCH if run.n <= run.g else Cause.PARTIAL_WINDOW
+        return Cause.UNEXPLAINED
+
+    def _compare_with_forecast(self, state) -> None:
+        predicted: Optional[Forecast] = self.report.forecast
+        if predicted is None:
+            return
+        epoch = self._run.epoch + 1
+        row = next((r for r in predicted.epochs if r.epoch == epoch), None)
+        seen = (state.global_step, self._run.engine_steps_seen)
+        if row is None or (row.trainer_steps, row.engine_steps) != seen:
+            expected = "no such epoch" if row is None else f"{row.trainer_steps}/{row.engine_steps}"
+            text = (f"epoch {epoch}: counts Trainer/engine {seen[0]}/{seen[1]} differ from the forecast {expected}")
+            self.report.forecast_mismatches.append(text)
+            if len(self.report.forecast_mismatches) == 1 and self._run.is_main:
+                logger.warning("stepsync: %s; please report this stack", text)
+
+    def _read_counts(self, state) -> None:
+        self.report.trainer_steps = state.global_step
+        self.report.engine_steps = self._run.engine.global_steps
+
+    def _metrics(self, state) -> dict:
+        engine_steps = self._run.engine.global_steps
+        return {METRIC_KEYS[0]: state.global_step, METRIC_KEYS[1]: engine_steps,
+                METRIC_KEYS[2]: state.global_step - engine_steps}
+
+    def _run_before_reporters(self) -> None:
+        """Move this callback just after the Trainer's flow callback.
+
+        The reporting callbacks (TensorBoard, W&B, ...) get ``on_log`` before user callbacks; running
+        before them lets every record carry the stepsync metrics. A new list leaves the loop that is
+        calling us untouched.
+        """
+        trainer = engine_adapter.find_trainer(self)
+        handler = getattr(trainer, "callback_handler", None)
+        if handler is None:
+            return
+        others = [cb for cb in handler.callbacks if cb is not self]
+        flow = [i for i, cb in enumerate(others) if type(cb).__name__ == "DefaultFlowCallback"]
+        at = flow[0] + 1 if flow else 0
+        handler.callbacks = others[:at] + [self] + others[at:]
+
+    def _deactivate(self, reason: str, level: int, state) -> None:
+        self.report.active = False
+        self.report.inactive_reason = reason
+        if state.is_world_process_zero:
+            logger.log(level, "stepsync: %s", reason)
+
+    def _switch_off(self, reason: str) -> None:
+        run, self._run = self._run, None
+        self.report.active = False
+        self.report.inactive_reason = reason
+        logger.error("stepsync switched itself off for this run; training goes on. %s", reason, exc_info=True)
+        if run is not None:
+            try:
+                self._action.end(run)
+            except Exception:  # the engine is already broken; nothing more to restore
+                logger.debug("stepsync: could not restore the engine", exc_info=True)
+
+    def _show(self, view: str, data: Any) -> None:
+        if self._console_choice is False:
+            return
+        from . import render
+
+        console = self._console_choice
+        if console is None:
+            from rich.console import Console
+
+            console = self._console_choice = Console(stderr=True)
+        console.print(getattr(render, view)(data))

@@ -1,0 +1,114 @@
+"""The one place that knows how to find the DeepSpeed engine and read or steer its counters.
+
+It never imports deepspeed: the engine is recognised by what it has, so wrappers, older and
+newer releases are handled alike, and a missing piece is reported instead of crashing.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional
+
+_MAX_FRAMES = 12  # Trainer -> CallbackHandler.on_x -> call_event -> our hook, plus subclasses' overrides
+
+
+def find_trainer(callback: Any) -> Optional[Any]:
+    """The Trainer whose callback handler holds ``callback``, found on the calling stack.
+
+    Called from inside a hook, so the Trainer (or a subclass) is a few frames up; matching on its
+    ``callback_handler`` finds the right one even with nested Trainers.
+    """
+    frame = sys._getframe(1)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        handler = getattr(candidate, "callback_handler", None)
+        if handler is not None and any(cb is callback for cb in getattr(handler, "callbacks", ())):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def is_engine(obj: Any) -> bool:
+    """Whether ``obj`` looks like a DeepSpeed engine (it has the counters stepsync reads)."""
+    return obj is not None and hasattr(obj, "global_steps") and hasattr(obj, "micro_steps")
+
+
+def find_engine(trainer: Any) -> Optional[Any]:
+    """The DeepSpeed engine of ``trainer`` across transformers releases, or None."""
+    wrapper = getattr(getattr(trainer, "accelerator", None), "deepspeed_engine_wrapped", None)
+    for candidate in (getattr(trainer, "model_wrapped", None), getattr(trainer, "deepspeed", None),
+                      getattr(wrapper, "engine", None)):
+        if is_engine(candidate):
+            return candidate
+    return None
+
+
+def uses_deepspeed(trainer: Any, args: Any) -> bool:
+    """Whether the Trainer was asked to use DeepSpeed."""
+    return bool(getattr(args, "deepspeed", None)) or bool(getattr(trainer, "is_deepspeed_enabled", False))
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What stepsync learned about the engine once, at ``on_train_begin``.
+
+    Attributes:
+        gradient_accumulation_steps: the engine's own G (None if it does not say).
+        can_override_boundary: ``set_gradient_accumulation_boundary`` exists and is allowed.
+        why_not: why the boundary cannot be overridden, when it cannot.
+    """
+
+    gradient_accumulation_steps: Optional[int]
+    can_override_boundary: bool
+    why_not: str = ""
+
+
+def engine_facts(engine: Any) -> EngineFacts:
+    gas = getattr(engine, "gradient_accumulation_steps", None)
+    gas = gas() if callable(gas) else gas
+    managed = getattr(engine, "managed_gradient_accumulation", None)
+    if not callable(getattr(engine, "set_gradient_accumulation_boundary", None)):
+        return EngineFacts(gas, False, "this engine has no set_gradient_accumulation_boundary (DeepSpeed < 0.5.8?)")
+    if callable(managed) and not managed():
+        return EngineFacts(gas, False, "DeepSpeed's managed_gradient_accumulation is false: every step() is a boundary")
+    return EngineFacts(gas, True)
+
+
+class EngineCounters:
+    """Reads the engine's integer counters; never a tensor, never a device sync."""
+
+    __slots__ = ("engine",)
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    @property
+    def global_steps(self) -> int:
+        return self.engine.global_steps
+
+    @property
+    def micro_steps(self) -> int:
+        return self.engine.micro_steps
+
+
+class BoundaryOverride:
+    """Sets the engine's accumulation boundary through DeepSpeed's public API and restores it."""
+
+    __slots__ = ("engine", "_saved", "_active")
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._saved = getattr(engine, "_is_gradient_accumulation_boundary", None)
+        self._active = False
+
+    def set(self, is_boundary: bool) -> None:
+        self.engine.set_gradient_accumulation_boundary(is_boundary)
+        self._active = True
+
+    def restore(self) -> None:
+        """Give the decision back to the engine (or to whoever held it before)."""
+        if self._active:
+            self.engine.set_gradient_accumulation_boundary(self._saved)
+            self._active = False

@@ -1,0 +1,150 @@
+"""What stepsync saw in a run: drift events and the outcome, as plain data (no rendering here)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Dict, List, Optional
+
+from .choices import Policy
+from .forecast import Forecast
+
+
+class StepDriftError(RuntimeError):
+    """Raised by policy ``'raise'`` at the first divergence; carries the :class:`DriftEvent`."""
+
+    def __init__(self, event: "DriftEvent") -> None:
+        self.event = event
+        super().__init__(event.message())
+
+
+class StepSyncConfigError(ValueError):
+    """A configuration that stepsync cannot serve; raised before any training step runs."""
+
+
+class Cause(str, Enum):
+    """Why the two counters diverged."""
+
+    INHERITED = "inherited from a resumed checkpoint"
+    PARTIAL_WINDOW = "partial window at an epoch end"
+    TINY_EPOCH = "tiny epoch (N <= G)"
+    ENGINE_AHEAD = "engine ahead (its windows cross epoch ends)"
+    UNEXPLAINED = "unexplained"
+
+
+@dataclass(frozen=True)
+class DriftEvent:
+    """One change of the drift, seen at a step end, an epoch end or the start of training.
+
+    Attributes:
+        epoch: 1-based epoch.
+        micro_batch: 1-based micro-batch index inside the epoch (0 at the start of training).
+        trainer_steps: ``state.global_step`` at that moment.
+        engine_steps: ``engine.global_steps`` at that moment.
+        previous_drift: the drift before this event.
+        where: ``"train_begin"``, ``"step_end"`` or ``"epoch_end"``.
+    """
+
+    epoch: int
+    micro_batch: int
+    trainer_steps: int
+    engine_steps: int
+    previous_drift: int
+    cause: Cause
+    remedy: str
+    where: str
+
+    @property
+    def drift(self) -> int:
+        return self.trainer_steps - self.engine_steps
+
+    def message(self) -> str:
+        return (
+            f"step drift {self.drift:+d} at epoch {self.epoch}, micro-batch {self.micro_batch} ({self.where}): "
+            f"Trainer global_step={self.trainer_steps}, DeepSpeed engine global_steps={self.engine_steps}; "
+            f"cause: {self.cause.value}; remedy: {self.remedy}"
+        )
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["cause"] = self.cause.name
+        data["drift"] = self.drift
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DriftEvent":
+        fields = {k: v for k, v in data.items() if k != "drift"}
+        fields["cause"] = Cause[fields["cause"]]
+        return cls(**fields)
+
+
+@dataclass
+class SyncReport:
+    """The outcome of a run as stepsync saw it; read it from ``callback.report``.
+
+    Attributes:
+        policy: the policy in force (``realign`` after a ``sync`` fallback).
+        active: False when stepsync found nothing to watch (no DeepSpeed) or switched itself off.
+        inactive_reason: why it is not active.
+        forecast: the prediction made at ``on_train_begin`` (None without a dataloader length).
+        trainer_steps, engine_steps: the last counts read.
+        inherited_drift: the drift found when training began.
+        events: every change of the drift, in order.
+        planned_steps: the ``max_steps`` the Trainer planned (the LR schedule's length).
+        dropped_micro_batches: per 1-based epoch, micro-batches ``drop_last`` left untrained.
+        unapplied_micro_batches: micro-batches the engine accumulated but never applied at the end.
+        notes: statements about what stepsync did or could not check, in order.
+        forecast_mismatches: epoch ends where the counts differed from the forecast.
+        corrections: times policy ``realign`` set the Trainer's count to the engine's.
+        finished: ``on_train_end`` was reached.
+    """
+
+    policy: Policy
+    active: bool = False
+    inactive_reason: str = ""
+    forecast: Optional[Forecast] = None
+    trainer_steps: int = 0
+    engine_steps: int = 0
+    inherited_drift: int = 0
+    events: List[DriftEvent] = field(default_factory=list)
+    planned_steps: Optional[int] = None
+    dropped_micro_batches: Dict[int, int] = field(default_factory=dict)
+    unapplied_micro_batches: int = 0
+    notes: List[str] = field(default_factory=list)
+    forecast_mismatches: List[str] = field(default_factory=list)
+    corrections: int = 0
+    finished: bool = False
+
+    @property
+    def drift(self) -> int:
+        return self.trainer_steps - self.engine_steps
+
+    @property
+    def new_drift(self) -> int:
+        """Drift this run added on top of what it inherited."""
+        return self.drift - self.inherited_drift
+
+    @property
+    def schedule_finished(self) -> Optional[bool]:
+        """Whether the engine (which steps the LR scheduler) made every update the Trainer planned."""
+        if self.planned_steps is None:
+            return None
+        return self.engine_steps >= self.planned_steps
+
+    def to_dict(self) -> dict:
+        return {
+            "policy": self.policy.value,
+            "active": self.active,
+            "inactive_reason": self.inactive_reason,
+            "trainer_steps": self.trainer_steps,
+            "engine_steps": self.engine_steps,
+            "drift": self.drift,
+            "inherited_drift": self.inherited_drift,
+            "planned_steps": self.planned_steps,
+            "events": [event.to_dict() for event in self.events],
+            "dropped_micro_batches": {str(k): v for k, v in self.dropped_micro_batches.items()},
+            "unapplied_micro_batches": self.unapplied_micro_batches,
+            "notes": list(self.notes),
+            "forecast_mismatches": list(self.forecast_mismatches),
+            "corrections": self.corrections,
+            "finished": self.finished,
+        }

@@ -1,0 +1,206 @@
+"""A tiny real run: GPT-2 built from a config, data in memory, the real Trainer and DeepSpeed on CPU.
+
+Used by the tests, the demo, the notebook and the benchmark. Nothing is downloaded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+
+def cpu_distributed_env() -> None:
+    """Single-process environment DeepSpeed needs on a CPU machine (kept when torchrun set it)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+
+
+def deepspeed_config(stage: int = 0) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                  "weight_decay": "auto", "torch_adam": True}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": "auto",
+                                                          "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def tiny_model(seed: int = 0):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                        bos_token_id=None, eos_token_id=None)
+    return GPT2LMHeadModel(config)
+
+
+class TinyDataset:
+    """``samples`` fixed sequences of 8 tokens, the same on every call."""
+
+    def __init__(self, samples: int, seed: int = 1) -> None:
+        import torch
+
+        generator = torch.Generator().manual_seed(seed)
+        self.rows = torch.randint(0, 64, (samples, 8), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.rows[index], "labels": self.rows[index]}
+
+
+@dataclass
+class Recording:
+    """What the real run did, recorded independently of stepsync, one entry per micro-batch."""
+
+    trainer_steps: List[int] = field(default_factory=list)
+    engine_steps: List[int] = field(default_factory=list)
+    trainer_updates_at: List[int] = field(default_factory=list)
+    engine_updates_at: List[int] = field(default_factory=list)
+    epoch_ends: List[tuple] = field(default_factory=list)
+
+
+def recorder(trainer_ref: list, recording: Recording):
+    """A callback that writes both counters after every micro-batch into ``recording``."""
+    from transformers import TrainerCallback
+
+    class Recorder(TrainerCallback):
+        def _engine(self):
+            return trainer_ref[0].model_wrapped
+
+        def _after(self, state, trainer_updated):
+            engine = self._engine()
+            steps = getattr(engine, "global_steps", None)
+            if steps is None:
+                return
+            index = len(recording.engine_steps) + 1
+            if recording.engine_steps and steps != recording.engine_steps[-1] or not recording.engine_steps and steps:
+                recording.engine_updates_at.append(index)
+            if trainer_updated:
+                recording.trainer_updates_at.append(index)
+            recording.trainer_steps.append(state.global_step)
+            recording.engine_steps.append(steps)
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self._start = getattr(self._engine(), "global_steps", 0)
+
+        def on_substep_end(self, args, state, control, **kwargs):
+            self._after(state, False)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self._after(state, True)
+
+        def on_epoch_end(self, args, state, control, **kwargs):
+            recording.epoch_ends.append((state.global_step, getattr(self._engine(), "global_steps", None)))
+
+    return Recorder()
+
+
+@dataclass
+class RunResult:
+    trainer: Any
+    recording: Recording
+    callback: Any
+    error: Optional[BaseException] = None
+
+    @property
+    def engine(self):
+        return self.trainer.model_wrapped
+
+
+def training_args(output_dir: str, gas: int, epochs: float = 2, max_steps: int = -1, stage: int = 0,
+                  deepspeed: bool = True, **overrides):
+    from transformers import TrainingArguments
+
+    options = dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=gas,
+        num_train_epochs=epochs,
+        max_steps=max_steps,
+        learning_rate=1e-2,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+        deepspeed=deepspeed_config(stage) if deepspeed else None,
+    )
+    options.update(overrides)
+    return TrainingArguments(**options)
+
+
+def run_tiny(output_dir: str, samples: int, gas: int, epochs: float = 2, max_steps: int = -1, stage: int = 0,
+             callback: Any = None, deepspeed: bool = True, resume_from_checkpoint: Optional[str] = None,
+             extra_callbacks=(), trainer_class=None, **overrides) -> RunResult:
+    """Train the tiny model once; ``callback`` is a StepSyncCallback or None (run without stepsync)."""
+    cpu_distributed_env()
+    from transformers import Trainer
+
+    recording = Recording()
+    trainer_ref: list = []
+    callbacks = [recorder(trainer_ref, recording), *extra_callbacks]
+    if callback is not None:
+        callbacks.append(callback)
+    args = training_args(output_dir, gas, epochs, max_steps, stage, deepspeed, **overrides)
+    trainer = (trainer_class or Trainer)(model=tiny_model(), args=args, train_dataset=TinyDataset(samples),
+                                         callbacks=callbacks)
+    trainer_ref.append(trainer)
+    result = RunResult(trainer, recording, callback)
+    try:
+        trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    except Exception as exc:  # the caller asserts on it
+        result.error = exc
+    return result
+
+
+def result_summary(result: RunResult) -> dict:
+    """JSON-ready facts of a run (for two-process runs, written per rank)."""
+    report = result.callback.report if result.callback is not None else None
+    rec = result.recording
+    return {
+        "trainer_steps": result.trainer.state.global_step,
+        "engine_steps": getattr(result.engine, "global_steps", None),
+        "trainer_updates_at": rec.trainer_updates_at,
+        "engine_updates_at": rec.engine_updates_at,
+        "epoch_ends": rec.epoch_ends,
+        "error": type(result.error).__name__ if result.error else None,
+        "error_message": str(result.error) if result.error else None,
+        "report": report.to_dict() if report is not None else None,
+        "forecast": report.forecast.to_dict() if report is not None and report.forecast else None,
+        "log_keys": [sorted(k for k in rec_log if k.startswith("stepsync/")) for rec_log in result.trainer.state.log_history],
+        "final_lr": _last_lr(result),
+    }
+
+
+def _last_lr(result: RunResult):
+    scheduler = getattr(result.engine, "lr_scheduler", None)
+    if scheduler is None:
+        return None
+    try:
+        return float(scheduler.get_last_lr()[0])
+    except Exception:
+        return None
+
+
+def dump(path: str, data: Any) -> None:
+    with open(path, "w") as handle:
+        json.dump(data, handle)
