@@ -1,0 +1,27 @@
+"""Helpers for the real-run tests: which stack this is, and the expected counts (independent of the forecast)."""
+import os
+
+import pytest
+
+from stepsync.versions import Stack
+
+STACK = os.environ.get("STEPSYNC_STACK", "")
+INSTALLED = Stack.installed()
+
+try:
+    import deepspeed  # noqa: F401
+    import transformers  # noqa: F401
+    HAVE_STACK = True
+except Exception:  # pragma: no cover
+    HAVE_STACK = False
+
+needs_stack = pytest.mark.skipif(not HAVE_STACK, reason="needs transformers and deepspeed (scripts/test.sh)")
+DRIFTS = INSTALLED.accelerate != "newest" and tuple(int(x) for x in INSTALLED.accelerate.split(".")[:2]) < (1, 8)
+
+
+def expected_counts(n, g, epochs):
+    """transformers 5.x: ceil(N/G) Trainer updates per epoch; the engine counts its own micro-steps
+    (accelerate < 1.8) or follows the Trainer (>= 1.8)."""
+    trainer = epochs * -(-n // g)
+    engine = (epochs * n) // g if DRIFTS else trainer
+    return trainer, engine

@@ -1,0 +1,27 @@
+"""Run under `torchrun --nproc_per_node 2`: a few real runs, each rank writes what it saw to OUT/rank-R.json."""
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from stepsync import StepSyncCallback  # noqa: E402
+from stepsync.testing import dump, result_summary, run_tiny  # noqa: E402
+
+CASES = [("warn", 0), ("warn", 2), ("sync", 0), ("sync", 2), ("realign", 0), ("drop_last", 0), ("raise", 0)]
+
+
+def main(out_dir: str) -> None:
+    rank = int(os.environ["RANK"])
+    results = {}
+    for policy, stage in CASES:
+        # 12 samples, batch 1, 2 ranks -> 6 micro-batches per rank; G=4 leaves a partial window of 2.
+        work = tempfile.mkdtemp()
+        result = run_tiny(work, samples=12, gas=4, epochs=2, stage=stage,
+                          callback=StepSyncCallback(policy, console=None if rank == 0 else False))
+        results[f"{policy}-{stage}"] = result_summary(result)
+    dump(os.path.join(out_dir, f"rank-{rank}.json"), results)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
