@@ -209,3 +209,21 @@ def test_a_failing_engine_switches_stepsync_off_not_the_run(tmp_path):
     assert not callback.report.active and "internal error" in callback.report.inactive_reason
     if DRIFTS:
         assert result.engine._is_gradient_accumulation_boundary is None  # restored on the way out
+
+
+def test_resumed_drifted_checkpoint_reports_inherited_drift(tmp_path):
+    first = run(tmp_path, 3, 2, 2, policy=None, save_strategy="steps", save_steps=4)
+    assert first.error is None
+    checkpoint = tmp_path / "checkpoint-4"
+    assert (checkpoint / "latest").read_text().strip() == ("global_step3" if DRIFTS else "global_step4")
+    resumed = run(tmp_path, 3, 2, 3, resume_from_checkpoint=str(checkpoint))
+    report = resumed.callback.report
+    assert resumed.error is None
+    if DRIFTS:
+        inherited = report.events[0]
+        assert (inherited.where, inherited.cause.name, inherited.trainer_steps, inherited.engine_steps) == (
+            "train_begin", "INHERITED", 4, 3)
+        assert report.inherited_drift == 1
+    else:
+        assert report.inherited_drift == 0
+    assert forecast_counts(resumed) == resumed.recording.epoch_ends
