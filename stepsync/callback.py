@@ -153,6 +153,7 @@ class StepSyncCallback(TrainerCallback):
             return self._deactivate("DeepSpeed is configured but no engine with global_steps was found "
                                     "(trainer.model_wrapped); stepsync cannot check this run", logging.WARNING, state)
         self._begin(args, state, control, engine, train_dataloader)
+        self._run_before_reporters(trainer)
 
     @_guarded
     def on_epoch_begin(self, args, state, control, **kwargs):
@@ -239,7 +240,6 @@ class StepSyncCallback(TrainerCallback):
                 self._show("forecast_view", self.report.forecast)
         self._last_drift = 0
         self._check(state, "train_begin")
-        self._run_before_reporters()
 
     def _after_micro_batch(self, args, state, control, trainer_updated: bool) -> None:
         run = self._run
@@ -311,14 +311,13 @@ class StepSyncCallback(TrainerCallback):
         return {METRIC_KEYS[0]: state.global_step, METRIC_KEYS[1]: engine_steps,
                 METRIC_KEYS[2]: state.global_step - engine_steps}
 
-    def _run_before_reporters(self) -> None:
+    def _run_before_reporters(self, trainer) -> None:
         """Move this callback just after the Trainer's flow callback.
 
         The reporting callbacks (TensorBoard, W&B, ...) get ``on_log`` before user callbacks; running
         before them lets every record carry the stepsync metrics. A new list leaves the loop that is
         calling us untouched.
         """
-        trainer = engine_adapter.find_trainer(self)
         handler = getattr(trainer, "callback_handler", None)
         if handler is None:
             return

@@ -76,23 +76,6 @@ def engine_facts(engine: Any) -> EngineFacts:
     return EngineFacts(gas, True)
 
 
-class EngineCounters:
-    """Reads the engine's integer counters; never a tensor, never a device sync."""
-
-    __slots__ = ("engine",)
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-
-    @property
-    def global_steps(self) -> int:
-        return self.engine.global_steps
-
-    @property
-    def micro_steps(self) -> int:
-        return self.engine.micro_steps
-
-
 class BoundaryOverride:
     """Sets the engine's accumulation boundary through DeepSpeed's public API and restores it."""
 

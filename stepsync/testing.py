@@ -96,9 +96,6 @@ def recorder(trainer_ref: list, recording: Recording):
             recording.trainer_steps.append(state.global_step)
             recording.engine_steps.append(steps)
 
-        def on_train_begin(self, args, state, control, **kwargs):
-            self._start = getattr(self._engine(), "global_steps", 0)
-
         def on_substep_end(self, args, state, control, **kwargs):
             self._after(state, False)
 
