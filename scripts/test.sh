@@ -4,6 +4,9 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 status=0
+# The drifting stack's numerical test compares with the aligned stack: build both first.
+aligned=$(bash scripts/stack.sh aligned)
+export STEPSYNC_ALIGNED_PYTHON="$aligned/bin/python" STEPSYNC_ALIGNED_EXTENSIONS="$aligned/torch_extensions"
 for stack in drifting aligned; do
   start=$(date +%s)
   venv=$(bash scripts/stack.sh "$stack")

@@ -141,8 +141,22 @@ def training_args(output_dir: str, gas: int, epochs: float = 2, max_steps: int =
         seed=0,
         deepspeed=deepspeed_config(stage) if deepspeed else None,
     )
+    fields = getattr(TrainingArguments, "__dataclass_fields__", {})
+    if "use_cpu" in fields and _accelerate_at_least_1():
+        # On a machine without an accelerator, accelerate 1.16 under torchrun counts one process unless told
+        # the run is on CPU (then the Trainer sees world_size=1 while DeepSpeed sees every rank); accelerate
+        # 0.34 instead drops DeepSpeed for DDP when told so.
+        options["use_cpu"] = True
+    if "xpu_backend" in fields and "use_cpu" not in fields:
+        options.update(no_cuda=True, xpu_backend="gloo")  # transformers 4.24: the CPU process group is gloo
     options.update(overrides)
     return TrainingArguments(**options)
+
+
+def _accelerate_at_least_1() -> bool:
+    from .versions import installed_version, parse_version
+
+    return parse_version(installed_version("accelerate") or "0") >= (1, 0, 0)
 
 
 def run_tiny(output_dir: str, samples: int, gas: int, epochs: float = 2, max_steps: int = -1, stage: int = 0,
@@ -201,3 +215,10 @@ def _last_lr(result: RunResult):
 def dump(path: str, data: Any) -> None:
     with open(path, "w") as handle:
         json.dump(data, handle)
+
+
+def final_parameters(result: RunResult):
+    """Every trained parameter, flattened into one fp32 tensor (ZeRO 0-2 keep full parameters on each rank)."""
+    import torch
+
+    return torch.cat([p.detach().float().flatten() for p in result.trainer.model.parameters()])

@@ -11,9 +11,6 @@ from real import DRIFTS, needs_stack
 
 pytestmark = [
     needs_stack, pytest.mark.integration, pytest.mark.twoproc,
-    # On accelerate 1.16 under torchrun the Trainer sees world_size=1 while DeepSpeed sees 2 (each rank then
-    # trains the whole set): not yet understood, so two-process runs are proven on the drifting stack only.
-    pytest.mark.skipif(not DRIFTS, reason="two-process runs on accelerate>=1.8 see world_size=1: under study"),
 ]
 
 
