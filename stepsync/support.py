@@ -1,0 +1,174 @@
+"""The support table: what each tested stack does, without stepsync and under each policy, from real runs.
+
+``scripts/support_table.sh`` runs :func:`measure` with every stack's python, stores each result in
+``tests/support/STACK.json`` and rewrites the README's table with :func:`render_table`; the tests
+re-run the cases on the stack they run on and compare with the stored file, and compare the README
+with the stored files. Everything here but :func:`measure` is pure.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+POLICIES = ("none", "sync", "realign", "drop_last")
+TABLE_START = "<!-- support-table:start (scripts/support_table.sh writes this) -->"
+TABLE_END = "<!-- support-table:end -->"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One run shape: N samples (batch 1, one rank), G, epochs, and ``max_steps`` (-1: from the epochs)."""
+
+    samples: int
+    gas: int
+    epochs: int
+    max_steps: int = -1
+
+    def label(self) -> str:
+        steps = f", max_steps={self.max_steps}" if self.max_steps > 0 else ""
+        return f"N={self.samples}, G={self.gas}, E={self.epochs}{steps}"
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    name: str
+    transformers: str
+    accelerate: str
+    deepspeed: str
+    shows: str
+    cases: Tuple[Case, ...]
+
+
+# The same pins as scripts/stack.sh; the first case of each stack is the one shared/UPSTREAM.md measured.
+STACKS = (
+    StackSpec("aligned", "5.24.0", "1.16.0", "0.19.8", "no drift", (Case(3, 2, 2), Case(7, 3, 2))),
+    StackSpec("drifting", "5.24.0", "1.7.0", "0.19.8", "Trainer ahead by up to 1 per epoch",
+              (Case(3, 2, 2), Case(7, 3, 2))),
+    StackSpec("t447", "4.47.1", "1.2.1", "0.16.2", "the seed's table (max_steps)",
+              (Case(3, 2, 2, max_steps=4), Case(7, 3, 2, max_steps=4))),
+    StackSpec("t445", "4.45.2", "0.34.2", "0.15.4", "drift only when N <= G", (Case(3, 4, 2), Case(7, 3, 2))),
+    StackSpec("t424", "4.24.0", "0.15.0", "0.14.5", "engine ahead (negative drift)", (Case(3, 2, 3), Case(7, 3, 2))),
+)
+
+
+def spec(name: str) -> StackSpec:
+    for stack in STACKS:
+        if stack.name == name:
+            return stack
+    raise ValueError(f"unknown stack {name!r}: choose one of {', '.join(s.name for s in STACKS)}")
+
+
+def measure(stack: StackSpec, work_dir: str) -> dict:
+    """Run every case of ``stack`` without stepsync (policy ``warn`` watching) and under each remedy.
+
+    Needs the stack installed; returns what the support file stores.
+    """
+    from .callback import StepSyncCallback
+    from .testing import run_tiny
+
+    cases = []
+    for number, case in enumerate(stack.cases):
+        results = {}
+        for policy in POLICIES:
+            callback = StepSyncCallback("warn" if policy == "none" else policy, console=False)
+            run = run_tiny(os.path.join(work_dir, f"{number}-{policy}"), samples=case.samples, gas=case.gas,
+                           epochs=case.epochs, max_steps=case.max_steps, callback=callback)
+            results[policy] = outcome(run)
+        cases.append({"case": case.__dict__, "results": results})
+    return {"stack": stack.name, "versions": [stack.transformers, stack.accelerate, stack.deepspeed], "cases": cases}
+
+
+def outcome(run) -> dict:
+    """What one real run did, in the terms of the table (counts from the engine and the Trainer themselves)."""
+    report = run.callback.report
+    forecast = report.forecast
+    return {
+        "trainer_steps": run.trainer.state.global_step,
+        "engine_steps": getattr(run.engine, "global_steps", None),
+        "error": None if run.error is None else f"{type(run.error).__name__}: {run.error}",
+        "epoch_ends": [list(pair) for pair in run.recording.epoch_ends],
+        "forecast_epoch_ends": None if forecast is None else [[r.trainer_steps, r.engine_steps] for r in forecast.epochs],
+        "causes": [event.cause.name for event in report.events],
+        # Equal counts can still hide windows that straddle epochs: compare where each side updated.
+        "windows_agree": _rises(run.recording.trainer_steps) == _rises(run.recording.engine_steps),
+        "fell_back": any("falling back" in note for note in report.notes),
+    }
+
+
+def _rises(counts: List[int]) -> List[int]:
+    """1-based micro-batch indices after which a counter went up."""
+    return [i + 1 for i, value in enumerate(counts) if value > (counts[i - 1] if i else 0)]
+
+
+def load(directory: str) -> Dict[str, dict]:
+    """The stored support files, by stack name, in the order of :data:`STACKS`."""
+    found = {}
+    for stack in STACKS:
+        path = os.path.join(directory, f"{stack.name}.json")
+        if os.path.exists(path):
+            with open(path) as handle:
+                found[stack.name] = json.load(handle)
+    return found
+
+
+CAUSE_WORDS = {"PARTIAL_WINDOW": "partial window", "TINY_EPOCH": "tiny epoch", "ENGINE_AHEAD": "engine ahead",
+               "INHERITED": "inherited", "UNEXPLAINED": "unexplained"}
+
+
+def _cell(result: dict) -> str:
+    if result["error"]:
+        return f"refused at start ({result['error'].split(':', 1)[0]})"
+    drift = result["trainer_steps"] - result["engine_steps"]
+    text = f"{result['trainer_steps']} / {result['engine_steps']}"
+    if not drift:
+        windows = "" if result["windows_agree"] else ", windows differ"
+        return f"{text} ✓{windows}" + (" (fell back to `realign`)" if result["fell_back"] else "")
+    causes = ", ".join(dict.fromkeys(CAUSE_WORDS[c] for c in result["causes"]))
+    return f"{text} (drift {drift:+d}: {causes})"
+
+
+def render_table(measured: Dict[str, dict]) -> str:
+    """The README's support table (markdown), one row per stack and case."""
+    lines = ["| stack | transformers / accelerate / deepspeed | case | without stepsync (Trainer / engine) | "
+             + " | ".join(f"`{p}`" for p in POLICIES[1:]) + " |",
+             "|---" * (4 + len(POLICIES) - 1) + "|"]
+    for stack in STACKS:
+        data = measured.get(stack.name)
+        if data is None:
+            continue
+        for entry in data["cases"]:
+            case = Case(**entry["case"])
+            results = entry["results"]
+            lines.append(f"| {stack.name} | {' / '.join(data['versions'])} | {case.label()} | "
+                         + " | ".join(_cell(results[p]) for p in POLICIES) + " |")
+    return "\n".join(lines)
+
+
+def replace_table(readme: str, table: str) -> str:
+    """``readme`` with the text between the support-table markers replaced by ``table``."""
+    start, end = readme.find(TABLE_START), readme.find(TABLE_END)
+    if start < 0 or end < start:
+        raise ValueError(f"README has no support table markers: add {TABLE_START!r} and {TABLE_END!r}")
+    return readme[: start + len(TABLE_START)] + "\n" + table + "\n" + readme[end:]
+
+
+def table_in(readme: str) -> Optional[str]:
+    start, end = readme.find(TABLE_START), readme.find(TABLE_END)
+    if start < 0 or end < start:
+        return None
+    return readme[start + len(TABLE_START): end].strip("\n")
+
+
+def disagreements(stored: dict, fresh: dict) -> List[str]:
+    """Where a fresh measurement differs from the stored one (empty when they agree)."""
+    problems = []
+    for old, new in zip(stored["cases"], fresh["cases"]):
+        for policy in POLICIES:
+            if old["results"].get(policy) != new["results"].get(policy):
+                problems.append(f"{Case(**old['case']).label()}, {policy}: stored {old['results'].get(policy)}, "
+                                f"measured {new['results'].get(policy)}")
+    if len(stored["cases"]) != len(fresh["cases"]):
+        problems.append(f"stored {len(stored['cases'])} cases, measured {len(fresh['cases'])}")
+    return problems
