@@ -3,15 +3,24 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Any, Optional, Union
 
 from transformers import TrainerCallback
 
+from . import checkpoint
 from . import engine as engine_adapter
 from .choices import Policy
-from .forecast import Forecast, RunPlan, forecast, resume_position
+from .forecast import Forecast, RunPlan, forecast, resume_position, resume_steps_for
 from .policies import PolicyAction, RealignAction, action_for
-from .report import Cause, DriftEvent, StepDriftError, StepSyncConfigError, SyncReport
+from .report import Cause, DriftEvent, ResumeRecord, StepDriftError, StepSyncConfigError, SyncReport
+
+try:  # transformers >= 4.41 saves an ExportableState callback's state() in trainer_state.json
+    from transformers.trainer_callback import ExportableState
+    _CALLBACK_BASES: tuple = (TrainerCallback, ExportableState)
+except ImportError:  # older releases: stepsync writes its own file into the checkpoint
+    _CALLBACK_BASES = (TrainerCallback,)
+STORED_BY_TRAINER = len(_CALLBACK_BASES) == 2
 from .versions import Stack, StackBehaviour, behaviour_of
 
 logger = logging.getLogger("stepsync")
@@ -65,6 +74,12 @@ class RunTracker:
         self.callback._action = action
         return action
 
+    def next_position(self) -> tuple:
+        """(0-based epoch, micro-batches done in it) of the next micro-batch the run will train."""
+        if self.n is not None and self.position >= self.callback._action.last_position(self):
+            return self.epoch + 1, 0
+        return self.epoch, self.position
+
     def fall_back(self, reason: Optional[str]) -> PolicyAction:
         """Switch to ``realign`` for the rest of the run, never silently drifting on."""
         if reason:
@@ -93,7 +108,7 @@ def _guarded(hook):
     return wrapper
 
 
-class StepSyncCallback(TrainerCallback):
+class StepSyncCallback(*_CALLBACK_BASES):
     """Keeps ``state.global_step`` and the DeepSpeed engine's ``global_steps`` in agreement.
 
     Before training it forecasts both counts per epoch; at every step end and epoch end it
@@ -152,7 +167,7 @@ class StepSyncCallback(TrainerCallback):
         if engine is None:
             return self._deactivate("DeepSpeed is configured but no engine with global_steps was found "
                                     "(trainer.model_wrapped); stepsync cannot check this run", logging.WARNING, state)
-        self._begin(args, state, control, engine, train_dataloader)
+        self._begin(args, state, control, engine, train_dataloader, trainer)
         self._run_before_reporters(trainer)
 
     @_guarded
@@ -190,6 +205,30 @@ class StepSyncCallback(TrainerCallback):
             state.log_history[-1].update(metrics)
 
     @_guarded
+    def on_save(self, args, state, control, **kwargs):
+        record = self._record()
+        if record is None or not getattr(args, "should_save", state.is_world_process_zero):
+            return
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if not os.path.isdir(folder):
+            self._run.note(f"no checkpoint folder {folder}: stepsync's record was not saved with it")
+            return
+        checkpoint.save_record(folder, record, STORED_BY_TRAINER)
+        if record.resume_steps is None:
+            self._run.note(f"{folder}: no global_step makes the Trainer resume at epoch {record.next_epoch + 1}, "
+                           f"micro-batch {record.next_skip}; a resume from it repeats or skips micro-batches")
+
+    def state(self) -> dict:
+        """``ExportableState`` (transformers >= 4.41): the record the Trainer saves in ``trainer_state.json``."""
+        try:
+            record = self._record()
+        except Exception:  # never break the Trainer's save
+            logger.debug("stepsync: could not build the resume record", exc_info=True)
+            record = None
+        return {"args": {"policy": self.policy.value},
+                "attributes": {"saved_record": record.to_dict() if record else None}}
+
+    @_guarded
     def on_train_end(self, args, state, control, **kwargs):
         run = self._run
         self._action.end(run)
@@ -203,17 +242,24 @@ class StepSyncCallback(TrainerCallback):
 
     # ----------------------------------------------------------------- logic
 
-    def _begin(self, args, state, control, engine, train_dataloader) -> None:
+    def _begin(self, args, state, control, engine, train_dataloader, trainer) -> None:
         try:
             n = len(train_dataloader)
         except TypeError:
             n = None
         g = args.gradient_accumulation_steps
         behaviour = behaviour_of(Stack.installed())
+        record, record_problem = self._saved_record(state, trainer)
+        resume_steps = None
+        if record is not None and record.resume_steps == state.global_step != record.trainer_steps:
+            # The checkpoint holds the data position's count for the Trainer's resume; restore the real one.
+            resume_steps = state.global_step
+            engine_adapter.set_global_step(trainer, state, record.trainer_steps)
         plan = None
         start_epoch, skip = 0, 0
         if n is not None and n > 0:
-            plan = RunPlan(n, g, args.num_train_epochs, args.max_steps, state.global_step, engine.global_steps)
+            plan = RunPlan(n, g, args.num_train_epochs, args.max_steps, state.global_step, engine.global_steps,
+                           resume_steps)
             start_epoch, skip = resume_position(plan, behaviour)
         else:
             n = None
@@ -225,6 +271,8 @@ class StepSyncCallback(TrainerCallback):
         if run.facts.gradient_accumulation_steps not in (None, g):
             run.error(f"the engine's gradient_accumulation_steps={run.facts.gradient_accumulation_steps} differs "
                       f"from the Trainer's {g}: fix the DeepSpeed config (use \"auto\")")
+        if record_problem:
+            run.error(f"{record_problem}; the report covers this run only")
         if not behaviour.measured:
             run.note(f"{behaviour.stack} was not measured by stepsync: the forecast is inferred from release notes")
         self._read_counts(state)
@@ -239,7 +287,61 @@ class StepSyncCallback(TrainerCallback):
                 logger.info("stepsync forecast: %s", self.report.forecast.verdict())
                 self._show("forecast_view", self.report.forecast)
         self._last_drift = 0
+        if record is not None:
+            self._continue(record)
         self._check(state, "train_begin")
+
+    def _saved_record(self, state, trainer):
+        """(the record of the checkpoint this run resumed from or None, a problem reading it or "")."""
+        if state.global_step <= 0:
+            return None, ""
+        try:
+            raw = checkpoint.record_in_trainer_state(getattr(state, "stateful_callbacks", None) or {})
+            if raw is not None:
+                record = ResumeRecord.from_dict(raw)
+            else:
+                folder = engine_adapter.resume_checkpoint(trainer)
+                record = checkpoint.load_record(folder) if folder else None
+        except ValueError as exc:
+            return None, f"stepsync's record in the checkpoint is unreadable ({exc})"
+        if record is not None and state.global_step not in (record.trainer_steps, record.resume_steps):
+            return None, (f"stepsync's record is for global_step {record.trainer_steps}, the resumed run is at "
+                          f"{state.global_step}")
+        return record, ""
+
+    def _continue(self, record: ResumeRecord) -> None:
+        """Carry the saved run's report on: its events open this one's."""
+        report = self.report
+        report.resumed_from = record
+        report.events = list(record.events)
+        report.corrections = record.corrections
+        report.dropped_micro_batches = dict(record.dropped_micro_batches)
+        self._last_drift = record.drift
+        text = (f"resumed from a checkpoint saved at Trainer/engine {record.trainer_steps}/{record.engine_steps} "
+                f"under policy '{record.policy}'; the report continues it")
+        self._run.note(text + (f" (drift {record.drift:+d} carried over)" if record.drift else ""))
+        if record.unapplied_at_save:
+            self._run.note(f"the checkpoint was saved with {record.unapplied_at_save} micro-batch(es) in DeepSpeed's "
+                           "open window; DeepSpeed saves neither their gradients nor its micro-step counter, so they "
+                           "are lost and the engine's windows restart here")
+
+    def _record(self) -> Optional[ResumeRecord]:
+        run = self._run
+        if run is None:
+            return None
+        epoch, skip = run.next_position()
+        return ResumeRecord(
+            policy=self.report.policy.value,
+            trainer_steps=self.report.trainer_steps,
+            engine_steps=run.engine_steps_seen,
+            resume_steps=resume_steps_for(epoch, skip, run.n, run.g, run.behaviour) if run.n else None,
+            next_epoch=epoch,
+            next_skip=skip,
+            unapplied_at_save=run.since_engine_update,
+            events=list(self.report.events),
+            corrections=self.report.corrections,
+            dropped_micro_batches=dict(self.report.dropped_micro_batches),
+        )
 
     def _after_micro_batch(self, args, state, control, trainer_updated: bool) -> None:
         run = self._run

@@ -30,6 +30,29 @@ def find_trainer(callback: Any) -> Optional[Any]:
     return None
 
 
+def resume_checkpoint(trainer: Any) -> Optional[str]:
+    """The ``resume_from_checkpoint`` path of the training loop now running ``trainer``, or None.
+
+    Read from the loop's frame: no Trainer release passes it to callbacks.
+    """
+    frame = sys._getframe(1)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            return None
+        if frame.f_locals.get("self") is trainer and "resume_from_checkpoint" in frame.f_locals:
+            path = frame.f_locals["resume_from_checkpoint"]
+            return path if isinstance(path, str) else None
+        frame = frame.f_back
+    return None
+
+
+def set_global_step(trainer: Any, state: Any, value: int) -> None:
+    """Set ``state.global_step`` before the first step, and the logging mark the Trainer took from it."""
+    if getattr(trainer, "_globalstep_last_logged", None) == state.global_step:
+        trainer._globalstep_last_logged = value  # else the first log waits until the old count is passed
+    state.global_step = value
+
+
 def is_engine(obj: Any) -> bool:
     """Whether ``obj`` looks like a DeepSpeed engine (it has the counters stepsync reads)."""
     return obj is not None and hasattr(obj, "global_steps") and hasattr(obj, "micro_steps")

@@ -25,6 +25,8 @@ class RunPlan:
         max_steps: ``TrainingArguments.max_steps``; > 0 overrides the epochs.
         trainer_steps_at_start: ``state.global_step`` when training begins (> 0 after a resume).
         engine_steps_at_start: ``engine.global_steps`` when training begins.
+        resume_steps: the ``global_step`` the Trainer computed its resume position from, when stepsync
+            saved one that differs from ``trainer_steps_at_start`` (see :func:`resume_steps_for`).
     """
 
     micro_batches_per_epoch: int
@@ -33,6 +35,7 @@ class RunPlan:
     max_steps: int = -1
     trainer_steps_at_start: int = 0
     engine_steps_at_start: int = 0
+    resume_steps: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.micro_batches_per_epoch, int) or self.micro_batches_per_epoch < 1:
@@ -189,23 +192,33 @@ class _Counters:
     engine_micro: int = 0  # the engine's micro_steps since it was built
 
 
+def updates_per_epoch(behaviour: StackBehaviour, n: int, g: int) -> int:
+    """The Trainer's ``num_update_steps_per_epoch`` on this release."""
+    return rules.planned_updates_per_epoch(behaviour.planned_steps is PlannedSteps.CEIL, n, g)
+
+
 def planned_steps(plan: RunPlan, behaviour: StackBehaviour) -> int:
     """The Trainer's ``max_steps``: given, or derived from the epochs as this release does."""
     if plan.max_steps > 0:
         return plan.max_steps
-    per_epoch = rules.planned_updates_per_epoch(
-        behaviour.planned_steps is PlannedSteps.CEIL, plan.micro_batches_per_epoch, plan.gradient_accumulation_steps
-    )
+    per_epoch = updates_per_epoch(behaviour, plan.micro_batches_per_epoch, plan.gradient_accumulation_steps)
     return math.ceil(plan.num_train_epochs * per_epoch)
 
 
 def resume_position(plan: RunPlan, behaviour: StackBehaviour):
     """(epochs trained, micro-batches to skip in that epoch) as the Trainer computes them on resume."""
-    per_epoch = rules.planned_updates_per_epoch(
-        behaviour.planned_steps is PlannedSteps.CEIL, plan.micro_batches_per_epoch, plan.gradient_accumulation_steps
-    )
-    steps = plan.trainer_steps_at_start
+    per_epoch = updates_per_epoch(behaviour, plan.micro_batches_per_epoch, plan.gradient_accumulation_steps)
+    steps = plan.trainer_steps_at_start if plan.resume_steps is None else plan.resume_steps
     return steps // per_epoch, (steps % per_epoch) * plan.gradient_accumulation_steps
+
+
+def resume_steps_for(epoch: int, skip: int, n: int, g: int, behaviour: StackBehaviour) -> Optional[int]:
+    """The ``global_step`` from which the Trainer's resume lands at 0-based ``epoch`` after ``skip``
+    micro-batches, or None when its arithmetic (``global_step // updates per epoch``) cannot reach there."""
+    per_epoch = updates_per_epoch(behaviour, n, g)
+    if skip % g or skip // g >= per_epoch:
+        return None
+    return epoch * per_epoch + skip // g
 
 
 def forecast(plan: RunPlan, behaviour: StackBehaviour, policy: Policy = Policy.WARN) -> Forecast:
@@ -215,7 +228,7 @@ def forecast(plan: RunPlan, behaviour: StackBehaviour, policy: Policy = Policy.W
     rule = behaviour.trainer_rule
     engine_follows = policy is Policy.SYNC or behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER
     target = planned_steps(plan, behaviour)
-    per_epoch = rules.planned_updates_per_epoch(behaviour.planned_steps is PlannedSteps.CEIL, n, g)
+    per_epoch = updates_per_epoch(behaviour, n, g)
     epochs_to_run = -(-target // per_epoch) if plan.max_steps > 0 else math.ceil(plan.num_train_epochs)
     start_epoch, start_position = resume_position(plan, behaviour)
     last_position = (n // g) * g if policy is Policy.DROP_LAST else n

@@ -43,6 +43,10 @@ class PolicyAction:
     def end(self, run: "RunTracker") -> None:
         """At ``on_train_end`` or when stepsync switches itself off: leave the engine as it was."""
 
+    def last_position(self, run: "RunTracker") -> int:
+        """The position after which the epoch ends (``run.n`` unless the policy ends it earlier)."""
+        return run.n
+
 
 class WarnAction(PolicyAction):
     policy = Policy.WARN
@@ -163,6 +167,9 @@ class DropLastAction(PolicyAction):
             run.replace_action(WatchOnly(Policy.DROP_LAST))
         else:
             self.last_full_window = (run.n // run.g) * run.g
+
+    def last_position(self, run: "RunTracker") -> int:
+        return self.last_full_window
 
     def after_micro_batch(self, run, trainer_updated, engine_updated, args, state, control):
         if trainer_updated and self.last_full_window <= run.position < run.n:

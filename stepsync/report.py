@@ -77,6 +77,79 @@ class DriftEvent:
         return cls(**fields)
 
 
+RECORD_FILE = "stepsync_state.json"
+
+
+@dataclass(frozen=True)
+class ResumeRecord:
+    """What stepsync saves with every checkpoint, so a resumed run carries its report on.
+
+    Attributes:
+        policy: the policy in force at the save.
+        trainer_steps, engine_steps: both counts at the save.
+        resume_steps: the ``global_step`` from which the Trainer's resume arithmetic lands exactly at the
+            next micro-batch (differs from ``trainer_steps`` under ``realign`` and ``drop_last``; None when
+            no ``global_step`` lands there).
+        next_epoch, next_skip: where the next micro-batch is (0-based epoch, micro-batches done in it).
+        unapplied_at_save: micro-batches in DeepSpeed's open window at the save; DeepSpeed saves neither
+            them nor its micro-step counter, so a resume loses their gradients and restarts its windows.
+        events, corrections, dropped_micro_batches: the report so far.
+    """
+
+    policy: str
+    trainer_steps: int
+    engine_steps: int
+    resume_steps: Optional[int]
+    next_epoch: int
+    next_skip: int
+    unapplied_at_save: int = 0
+    events: List[DriftEvent] = field(default_factory=list)
+    corrections: int = 0
+    dropped_micro_batches: Dict[int, int] = field(default_factory=dict)
+
+    FORMAT = 1
+
+    @property
+    def drift(self) -> int:
+        return self.trainer_steps - self.engine_steps
+
+    def to_dict(self) -> dict:
+        return {
+            "format": self.FORMAT,
+            "policy": self.policy,
+            "trainer_steps": self.trainer_steps,
+            "engine_steps": self.engine_steps,
+            "resume_steps": self.resume_steps,
+            "next_epoch": self.next_epoch,
+            "next_skip": self.next_skip,
+            "unapplied_at_save": self.unapplied_at_save,
+            "events": [event.to_dict() for event in self.events],
+            "corrections": self.corrections,
+            "dropped_micro_batches": {str(k): v for k, v in self.dropped_micro_batches.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ResumeRecord":
+        """Raises ValueError naming what is wrong when ``data`` is not a record this version wrote."""
+        if not isinstance(data, dict) or data.get("format") != cls.FORMAT:
+            raise ValueError(f"not a stepsync record of format {cls.FORMAT}")
+        try:
+            return cls(
+                policy=str(data["policy"]),
+                trainer_steps=int(data["trainer_steps"]),
+                engine_steps=int(data["engine_steps"]),
+                resume_steps=None if data["resume_steps"] is None else int(data["resume_steps"]),
+                next_epoch=int(data["next_epoch"]),
+                next_skip=int(data["next_skip"]),
+                unapplied_at_save=int(data["unapplied_at_save"]),
+                events=[DriftEvent.from_dict(event) for event in data["events"]],
+                corrections=int(data["corrections"]),
+                dropped_micro_batches={int(k): int(v) for k, v in data["dropped_micro_batches"].items()},
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"a stepsync record with a missing or malformed field: {exc!r}") from None
+
+
 @dataclass
 class SyncReport:
     """The outcome of a run as stepsync saw it; read it from ``callback.report``.
@@ -96,6 +169,7 @@ class SyncReport:
         forecast_mismatches: epoch ends where the counts differed from the forecast.
         corrections: times policy ``realign`` set the Trainer's count to the engine's.
         finished: ``on_train_end`` was reached.
+        resumed_from: the record of the checkpoint this run resumed from (its events open ``events``).
     """
 
     policy: Policy
@@ -113,6 +187,7 @@ class SyncReport:
     forecast_mismatches: List[str] = field(default_factory=list)
     corrections: int = 0
     finished: bool = False
+    resumed_from: Optional[ResumeRecord] = None
 
     @property
     def drift(self) -> int:
@@ -147,4 +222,5 @@ class SyncReport:
             "forecast_mismatches": list(self.forecast_mismatches),
             "corrections": self.corrections,
             "finished": self.finished,
+            "resumed_from": self.resumed_from.to_dict() if self.resumed_from else None,
         }

@@ -73,6 +73,7 @@ class Recording:
     trainer_updates_at: List[int] = field(default_factory=list)
     engine_updates_at: List[int] = field(default_factory=list)
     epoch_ends: List[tuple] = field(default_factory=list)
+    engine_at_start: Optional[int] = 0
 
 
 def recorder(trainer_ref: list, recording: Recording):
@@ -83,13 +84,17 @@ def recorder(trainer_ref: list, recording: Recording):
         def _engine(self):
             return trainer_ref[0].model_wrapped
 
+        def on_train_begin(self, args, state, control, **kwargs):
+            recording.engine_at_start = getattr(self._engine(), "global_steps", None)
+
         def _after(self, state, trainer_updated):
             engine = self._engine()
             steps = getattr(engine, "global_steps", None)
             if steps is None:
                 return
             index = len(recording.engine_steps) + 1
-            if recording.engine_steps and steps != recording.engine_steps[-1] or not recording.engine_steps and steps:
+            before = recording.engine_steps[-1] if recording.engine_steps else recording.engine_at_start
+            if steps != before:
                 recording.engine_updates_at.append(index)
             if trainer_updated:
                 recording.trainer_updates_at.append(index)

@@ -122,7 +122,7 @@ def test_trainer_subclass_is_found(tmp_path):
     assert result.callback.report.drift == (1 if DRIFTS else 0)
 
 
-@pytest.mark.parametrize("n, g, epochs, stage", [(3, 2, 2, 0), (3, 2, 2, 2), (7, 3, 2, 0), (5, 4, 3, 0)])
+@pytest.mark.parametrize("n, g, epochs, stage", [(3, 2, 2, 0), (3, 2, 2, 2), (3, 2, 2, 3), (7, 3, 2, 0), (5, 4, 3, 0)])
 def test_sync_makes_the_engine_update_where_the_trainer_counts(tmp_path, n, g, epochs, stage):
     result = run(tmp_path, n, g, epochs, stage, policy="sync")
     trainer, _ = expected_counts(n, g, epochs)
@@ -149,9 +149,9 @@ def test_sync_runs_the_schedule_to_its_planned_end(tmp_path):
     assert _last_lr(synced) == pytest.approx(0.005)
 
 
-@pytest.mark.parametrize("n, g, epochs", [(3, 2, 2), (7, 3, 2), (5, 4, 3)])
-def test_realign_makes_the_trainer_follow_the_engine(tmp_path, n, g, epochs):
-    result = run(tmp_path, n, g, epochs, policy="realign", save_strategy="steps", save_steps=1)
+@pytest.mark.parametrize("n, g, epochs, stage", [(3, 2, 2, 0), (3, 2, 2, 2), (3, 2, 2, 3), (7, 3, 2, 0), (5, 4, 3, 0)])
+def test_realign_makes_the_trainer_follow_the_engine(tmp_path, n, g, epochs, stage):
+    result = run(tmp_path, n, g, epochs, stage, policy="realign", save_strategy="steps", save_steps=1)
     _, engine = expected_counts(n, g, epochs)
     rec = result.recording
     assert result.error is None
@@ -168,9 +168,9 @@ def test_realign_makes_the_trainer_follow_the_engine(tmp_path, n, g, epochs):
         assert open(tmp_path / f"checkpoint-{step}" / "latest").read().strip() == f"global_step{step}"
 
 
-@pytest.mark.parametrize("n, g, epochs", [(3, 2, 2), (7, 3, 2), (5, 4, 3)])
-def test_drop_last_trains_only_full_windows(tmp_path, n, g, epochs):
-    result = run(tmp_path, n, g, epochs, policy="drop_last")
+@pytest.mark.parametrize("n, g, epochs, stage", [(3, 2, 2, 0), (3, 2, 2, 2), (3, 2, 2, 3), (7, 3, 2, 0), (5, 4, 3, 0)])
+def test_drop_last_trains_only_full_windows(tmp_path, n, g, epochs, stage):
+    result = run(tmp_path, n, g, epochs, stage, policy="drop_last")
     report = result.callback.report
     full = (n // g) * g
     assert result.error is None

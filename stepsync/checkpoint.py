@@ -1,0 +1,67 @@
+"""stepsync's record in a Trainer checkpoint folder: written at every save, read back on resume.
+
+Plain file I/O (no torch, no DeepSpeed). transformers >= 4.41 keeps the record in
+``trainer_state.json`` (``stateful_callbacks``, through ``ExportableState``); older releases get
+``stepsync_state.json`` next to it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+from .report import RECORD_FILE, ResumeRecord
+
+TRAINER_STATE = "trainer_state.json"
+CALLBACK_NAME = "StepSyncCallback"
+
+
+def record_in_trainer_state(trainer_state: dict) -> Optional[dict]:
+    """The raw record inside a loaded ``trainer_state.json`` (or ``TrainerState.stateful_callbacks``)."""
+    stored = (trainer_state or {}).get(CALLBACK_NAME)
+    if isinstance(stored, list):  # the Trainer stores a list when a callback class appears twice
+        stored = stored[0] if stored else None
+    return (stored.get("attributes") or {}).get("saved_record") if isinstance(stored, dict) else None
+
+
+def load_record(folder: str) -> Optional[ResumeRecord]:
+    """The record saved in checkpoint ``folder``; None when there is none; ValueError when it is unreadable."""
+    own = os.path.join(folder, RECORD_FILE)
+    if os.path.isfile(own):
+        return ResumeRecord.from_dict(_read_json(own))
+    state_path = os.path.join(folder, TRAINER_STATE)
+    if os.path.isfile(state_path):
+        raw = record_in_trainer_state(_read_json(state_path).get("stateful_callbacks") or {})
+        return None if raw is None else ResumeRecord.from_dict(raw)
+    return None
+
+
+def save_record(folder: str, record: ResumeRecord, stored_by_trainer: bool) -> None:
+    """Write ``record`` into checkpoint ``folder`` and, where a policy moved ``global_step`` off the data
+    position, the count the Trainer's resume arithmetic needs into ``trainer_state.json``."""
+    if not stored_by_trainer:
+        _write_json(os.path.join(folder, RECORD_FILE), record.to_dict())
+    if record.resume_steps is not None and record.resume_steps != record.trainer_steps:
+        state_path = os.path.join(folder, TRAINER_STATE)
+        state = _read_json(state_path)
+        state["global_step"] = record.resume_steps
+        _write_json(state_path, state)
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as handle:
+            data = json.load(handle)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _write_json(path: str, data: dict) -> None:
+    partial = path + ".partial"
+    with open(partial, "w") as handle:
+        json.dump(data, handle, indent=2, sort_keys=True)
+        handle.write("\n")
+    os.replace(partial, path)  # a crash mid-write never leaves half a file
