@@ -8,7 +8,7 @@ name=${1:?usage: scripts/stack.sh aligned|drifting|t447|t445|t424}
 old="numpy<2 setuptools<81"
 case "$name" in
   aligned)  pins="transformers==5.24.0 accelerate==1.16.0 deepspeed==0.19.8" ;;
-  drifting) pins="transformers==5.24.0 accelerate==1.7.0 deepspeed==0.19.8" ;;
+  drifting) pins="transformers==5.24.0 accelerate==1.7.0 deepspeed==0.19.8 matplotlib" ;;  # matplotlib: the notebook
   t447)     pins="transformers==4.47.1 accelerate==1.2.1 deepspeed==0.16.2 $old" ;;
   t445)     pins="transformers==4.45.2 accelerate==0.34.2 deepspeed==0.15.4 $old" ;;
   t424)     pins="transformers==4.24.0 accelerate==0.15.0 deepspeed==0.14.5 $old" ;;

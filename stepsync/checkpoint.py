@@ -28,10 +28,10 @@ def load_record(folder: str) -> Optional[ResumeRecord]:
     """The record saved in checkpoint ``folder``; None when there is none; ValueError when it is unreadable."""
     own = os.path.join(folder, RECORD_FILE)
     if os.path.isfile(own):
-        return ResumeRecord.from_dict(_read_json(own))
+        return ResumeRecord.from_dict(read_json(own))
     state_path = os.path.join(folder, TRAINER_STATE)
     if os.path.isfile(state_path):
-        raw = record_in_trainer_state(_read_json(state_path).get("stateful_callbacks") or {})
+        raw = record_in_trainer_state(read_json(state_path).get("stateful_callbacks") or {})
         return None if raw is None else ResumeRecord.from_dict(raw)
     return None
 
@@ -43,19 +43,24 @@ def save_record(folder: str, record: ResumeRecord, stored_by_trainer: bool) -> N
         _write_json(os.path.join(folder, RECORD_FILE), record.to_dict())
     if record.resume_steps is not None and record.resume_steps != record.trainer_steps:
         state_path = os.path.join(folder, TRAINER_STATE)
-        state = _read_json(state_path)
+        state = read_json(state_path)
         state["global_step"] = record.resume_steps
         _write_json(state_path, state)
 
 
-def _read_json(path: str) -> dict:
+def read_json(path: str, what: str = "file") -> dict:
+    """The JSON object in ``path``; ValueError with the fix when it is missing, unreadable or not an object."""
+    if not os.path.exists(path):
+        raise ValueError(f"{what} {path!r} does not exist: pass the path of a JSON file")
     try:
         with open(path) as handle:
             data = json.load(handle)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read {path}: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {what} {path!r}: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"{what} {path!r} is not valid JSON ({exc}): fix or delete the file") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path} does not hold a JSON object")
+        raise ValueError(f"{what} {path!r} must hold a JSON object, not {type(data).__name__}")
     return data
 
 

@@ -1,4 +1,5 @@
-"""``stepsync`` command line: ``check`` (forecast a configuration) and ``demo`` (a live CPU run)."""
+"""``stepsync`` command line: ``check`` (forecast a configuration), ``inspect`` (audit checkpoints) and
+``demo`` (a live CPU run). Exit codes: 0 aligned / consistent, 1 drift / mismatch, 2 bad input."""
 from __future__ import annotations
 
 import argparse
@@ -7,10 +8,9 @@ import sys
 from typing import List, Optional
 
 from .choices import Policy
-from .forecast import RunPlan, forecast
-from .versions import NEWEST, Stack, behaviour_of, installed_version
 
 EXIT_ALIGNED, EXIT_DRIFTS, EXIT_BAD_INPUT = 0, 1, 2
+POLICIES = ", ".join(p.value for p in Policy)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -29,60 +29,115 @@ def _positive(text: str) -> int:
     return value
 
 
+def _epochs(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"--epochs must be > 0, got {text}")
+    return value
+
+
+def _policy(text: str) -> Policy:
+    try:
+        return Policy.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="stepsync", description=__doc__,
+    parser = _Parser(prog="stepsync", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                      epilog="example: stepsync check --samples 3 --gas 2 --epochs 2 --accelerate 1.7.0")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     check = commands.add_parser(
         "check", help="forecast a configuration without training",
-        epilog="example: stepsync check --samples 3 --batch-size 1 --gas 2 --epochs 2 --accelerate 1.7.0 --json")
-    size = check.add_mutually_exclusive_group(required=True)
+        description="Forecast both counters per epoch; exit 0 when aligned, 1 when it drifts, 2 on bad input.",
+        epilog="example: stepsync check --samples 3 --batch-size 1 --gas 2 --epochs 2 --accelerate 1.7.0 --json\n"
+               "example: stepsync check --samples 1000 --training-args args.json --deepspeed-config ds.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = check.add_mutually_exclusive_group()
     size.add_argument("--samples", type=_positive, help="training set length")
-    size.add_argument("--micro-batches-per-epoch", type=_positive, help="len(train_dataloader) on one rank")
-    check.add_argument("--batch-size", type=_positive, default=1, help="per-device batch size (default 1)")
-    check.add_argument("--world-size", type=_positive, default=1, help="number of ranks (default 1)")
-    check.add_argument("--gas", type=_positive, required=True, help="gradient_accumulation_steps")
-    check.add_argument("--epochs", type=float, default=None, help="num_train_epochs (default 1)")
-    check.add_argument("--max-steps", type=_positive, default=None, help="max_steps (overrides --epochs)")
-    check.add_argument("--drop-last", action="store_true", help="dataloader_drop_last=True")
-    check.add_argument("--policy", default="warn", help=f"one of {', '.join(p.value for p in Policy)}")
+    size.add_argument("--micro-batches-per-epoch", dest="micro_batches", type=_positive,
+                      help="len(train_dataloader) on one rank")
+    check.add_argument("--batch-size", type=_positive, help="per-device batch size (default 1)")
+    check.add_argument("--world-size", type=_positive, help="number of ranks (default 1)")
+    check.add_argument("--gas", type=_positive, help="gradient_accumulation_steps")
+    check.add_argument("--epochs", type=_epochs, help="num_train_epochs (default 1)")
+    check.add_argument("--max-steps", type=_positive, help="max_steps (overrides --epochs)")
+    check.add_argument("--drop-last", action="store_true", default=None, help="dataloader_drop_last=True")
+    check.add_argument("--policy", type=_policy, default=Policy.WARN, help=f"one of {POLICIES}")
+    check.add_argument("--training-args", metavar="FILE", help="a TrainingArguments JSON (args.to_json_string())")
+    check.add_argument("--deepspeed-config", metavar="FILE", help="DeepSpeed's JSON ('auto' resolved as the Trainer does)")
     for package in ("transformers", "accelerate", "deepspeed"):
         check.add_argument(f"--{package}", default=None, help=f"{package} version (default: installed, else newest)")
     check.add_argument("--json", action="store_true", help="print one JSON object")
-    demo = commands.add_parser("demo", help="a real Trainer + DeepSpeed run on CPU, live",
-                               epilog="example: stepsync demo --compare")
-    demo.add_argument("--policy", default="warn", help=f"one of {', '.join(p.value for p in Policy)}")
+    inspect = commands.add_parser(
+        "inspect", help="audit the checkpoints of a Trainer output directory",
+        description="Compare every checkpoint-N with DeepSpeed's tag and stepsync's record; exit 1 on any "
+                    "mismatch or broken checkpoint, 2 when the path is not an output directory.",
+        epilog="example: stepsync inspect runs/my-job --json", formatter_class=argparse.RawDescriptionHelpFormatter)
+    inspect.add_argument("output_dir", help="the Trainer's output_dir (or one checkpoint-N folder in it)")
+    inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    demo = commands.add_parser(
+        "demo", help="a real Trainer + DeepSpeed run on CPU, live",
+        description="A tiny GPT-2 built from a config, trained by the real Trainer and DeepSpeed on CPU.",
+        epilog="example: stepsync demo --compare\nexample: stepsync demo --policy realign --samples 5 --gas 2",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    demo.add_argument("--policy", type=_policy, default=Policy.WARN, help=f"one of {POLICIES}")
     demo.add_argument("--compare", action="store_true", help="run without stepsync and with 'sync', side by side")
-    demo.add_argument("--samples", type=_positive, default=3)
-    demo.add_argument("--gas", type=_positive, default=2)
-    demo.add_argument("--epochs", type=_positive, default=2)
+    demo.add_argument("--samples", type=_positive, default=3, help="micro-batches per epoch (default 3)")
+    demo.add_argument("--gas", type=_positive, default=2, help="gradient_accumulation_steps (default 2)")
+    demo.add_argument("--epochs", type=_positive, default=2, help="epochs (default 2)")
     return parser
-
-
-def _micro_batches(args) -> int:
-    if args.micro_batches_per_epoch:
-        return args.micro_batches_per_epoch
-    per_rank = -(-args.samples // args.world_size)  # the distributed sampler pads
-    return per_rank // args.batch_size if args.drop_last else -(-per_rank // args.batch_size)
 
 
 def run_check(args) -> int:
     from rich.console import Console
 
+    from .checkpoint import read_json
+    from .config import deepspeed_config_of, from_training_args, resolve
+    from .forecast import RunPlan, forecast
     from .render import forecast_view
+    from .versions import NEWEST, Stack, behaviour_of, installed_version
 
-    if args.epochs is not None and args.epochs <= 0:
-        raise ValueError(f"--epochs must be > 0, got {args.epochs}")
+    training, deepspeed = None, None
+    if args.training_args:
+        data = read_json(args.training_args, "--training-args")
+        training = from_training_args(data, args.training_args)
+        deepspeed = deepspeed_config_of(data, args.training_args)
+    if args.deepspeed_config:
+        deepspeed = read_json(args.deepspeed_config, "--deepspeed-config")
+    flags = {"samples": args.samples, "micro_batches": args.micro_batches, "batch_size": args.batch_size,
+             "world_size": args.world_size, "gas": args.gas, "epochs": args.epochs, "max_steps": args.max_steps,
+             "drop_last": args.drop_last}
+    inputs = resolve(flags, training, deepspeed)
     stack = Stack(*(getattr(args, p) or installed_version(p) or NEWEST for p in ("transformers", "accelerate", "deepspeed")))
-    plan = RunPlan(_micro_batches(args), args.gas, args.epochs or 1.0, args.max_steps or -1)
-    if plan.micro_batches_per_epoch < 1:
-        raise ValueError("no full batch per epoch: lower --batch-size or drop --drop-last")
-    result = forecast(plan, behaviour_of(stack), Policy.parse(args.policy))
+    plan = RunPlan(inputs.micro_batches_per_epoch, inputs.gradient_accumulation_steps, inputs.num_train_epochs,
+                   inputs.max_steps)
+    result = forecast(plan, behaviour_of(stack), args.policy)
     if args.json:
-        print(json.dumps(result.to_dict()))
+        data = result.to_dict()
+        data["inputs"] = {"micro_batches_per_epoch": inputs.micro_batches_per_epoch, "batch_size": inputs.batch_size,
+                          "world_size": inputs.world_size, "drop_last": inputs.drop_last}
+        print(json.dumps(data))
     else:
         Console().print(forecast_view(result))
     return EXIT_ALIGNED if result.aligned else EXIT_DRIFTS
+
+
+def run_inspect(args) -> int:
+    from rich.console import Console
+
+    from .audit import audit_output_dir
+    from .render import audit_view
+
+    audit = audit_output_dir(args.output_dir)
+    if args.json:
+        print(json.dumps(audit.to_dict()))
+    else:
+        Console().print(audit_view(audit))
+    return EXIT_ALIGNED if audit.ok else EXIT_DRIFTS
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -90,6 +145,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.command == "check":
             return run_check(args)
+        if args.command == "inspect":
+            return run_inspect(args)
         from .demo import run_demo
 
         return run_demo(args)

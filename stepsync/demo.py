@@ -2,42 +2,74 @@
 from __future__ import annotations
 
 import tempfile
+from typing import List
 
-from rich.console import Console
+from rich.columns import Columns
+from rich.console import Console, Group
+from rich.live import Live
+from rich.spinner import Spinner
 from rich.table import Table
 
-from .choices import Policy
+STARTING = ("starting DeepSpeed on CPU; the first start on this machine compiles an op (about a minute), "
+            "later ones take seconds")
 
 
-def _table(title: str, recording) -> Table:
+def counters_table(title: str, rows: List[tuple]) -> Table:
+    """One row per micro-batch: both counters after it and their difference."""
     table = Table(title=title)
     for name in ("micro-batch", "Trainer global_step", "engine global_steps", "drift"):
         table.add_column(name, justify="right")
-    for index, (trainer, engine) in enumerate(zip(recording.trainer_steps, recording.engine_steps), start=1):
+    for index, (trainer, engine) in enumerate(rows, start=1):
         drift = trainer - engine
         table.add_row(str(index), str(trainer), str(engine), f"[{'red' if drift else 'green'}]{drift:+d}")
     return table
 
 
+def _live_rows(live: Live, title: str, rows: List[tuple]):
+    """A callback that redraws the table after every micro-batch."""
+    from transformers import TrainerCallback
+
+    class LiveTable(TrainerCallback):
+        def _draw(self, state):
+            engine = self.trainer_ref[0].model_wrapped
+            rows.append((state.global_step, getattr(engine, "global_steps", 0)))
+            live.update(counters_table(title, rows))
+
+        def on_substep_end(self, args, state, control, **kwargs):
+            self._draw(state)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self._draw(state)
+
+    return LiveTable()
+
+
 def run_demo(args) -> int:
-    console = Console()
-    policies = [None, Policy.SYNC] if args.compare else [Policy.parse(args.policy)]
-    console.print("[bold]stepsync demo[/]: tiny GPT-2 from a config, real Trainer and DeepSpeed on CPU. "
-                  "The first DeepSpeed start compiles an op (about a minute); later runs start in seconds.")
     from .callback import StepSyncCallback
+    from .choices import Policy
     from .testing import run_tiny
 
-    tables = []
+    console = Console()
+    policies = [None, Policy.SYNC] if args.compare else [Policy.parse(args.policy)]
+    console.print("[bold]stepsync demo[/]: a tiny GPT-2 built from a config, the real Trainer and DeepSpeed on CPU, "
+                  f"N={args.samples} micro-batches per epoch, G={args.gas}, {args.epochs} epochs.")
+    tables, failed = [], False
     for policy in policies:
-        label = "without stepsync" if policy is None else f"policy '{policy.value}'"
-        with console.status(f"training {label} (N={args.samples}, G={args.gas}, {args.epochs} epochs)..."):
+        title = "without stepsync" if policy is None else f"policy '{policy.value}'"
+        rows: List[tuple] = []
+        with Live(Group(Spinner("dots", f"{title}: {STARTING}")), console=console, refresh_per_second=8,
+                  transient=args.compare) as live:
+            live_table = _live_rows(live, title, rows)
             callback = StepSyncCallback(policy, console=console) if policy else None
-            result = run_tiny(tempfile.mkdtemp(), samples=args.samples, gas=args.gas, epochs=args.epochs,
-                              callback=callback, disable_tqdm=True, log_level="error")
+            result = run_tiny(tempfile.mkdtemp(prefix="stepsync-demo-"), samples=args.samples, gas=args.gas,
+                              epochs=args.epochs, callback=callback, extra_callbacks=[live_table], log_level="error", logging_strategy="no",
+                              on_trainer=lambda trainer: setattr(live_table, "trainer_ref", [trainer]))
+            live.update(counters_table(title, rows))
         if result.error is not None:
-            console.print(f"[red]{label}: {result.error}")
-        tables.append(_table(label, result.recording))
-    from rich.columns import Columns
-
-    console.print(Columns(tables))
-    return 0
+            failed = True
+            console.print(f"[red]{title}: {type(result.error).__name__}: {result.error}")
+        tables.append(counters_table(f"{title}: Trainer {result.trainer.state.global_step}, engine "
+                                     f"{getattr(result.engine, 'global_steps', '?')}", rows))
+    if len(tables) > 1:
+        console.print(Columns(tables))
+    return 1 if failed else 0

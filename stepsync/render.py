@@ -92,3 +92,24 @@ def summary_view(report: SyncReport) -> Panel:
     if report.events:
         parts.append(events_table(report.events))
     return Panel(Group(*parts), title="stepsync summary", border_style="red" if report.drift else "green")
+
+
+def audit_view(audit) -> Group:
+    """``stepsync inspect``: one row per checkpoint, then every message and the verdict."""
+    table = Table(title=f"stepsync inspect: {audit.output_dir}")
+    for name in ("checkpoint", "trainer_state.json", "DeepSpeed latest", "stepsync record", "drift", "status"):
+        table.add_column(name)
+    messages = []
+    for item in audit.checkpoints:
+        record = item.record
+        table.add_row(
+            item.name,
+            "?" if item.trainer_state_step is None else str(item.trainer_state_step),
+            item.deepspeed_tag or "-",
+            f"{record.trainer_steps}/{record.engine_steps}" if record else "-",
+            _drift_text(item.drift) if item.drift is not None else Text("?"),
+            Text("ok", style="green") if item.ok else Text("MISMATCH" if item.mismatches else "BROKEN", style="bold red"),
+        )
+        messages += item.mismatches + item.problems
+    verdict = Text(audit.verdict(), style="green" if audit.ok else "bold yellow")
+    return Group(table, *(Text(f"- {m}", style="red") for m in messages), verdict)

@@ -11,10 +11,24 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 
+PROCESS_GROUP_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def child_env(env=None) -> dict:
+    """A copy of ``env`` (default: this process's) for a child that starts its own process group: without
+    the rendezvous variables, whose port this process holds."""
+    return {k: v for k, v in (os.environ if env is None else env).items() if k not in PROCESS_GROUP_VARS}
+
+
 def cpu_distributed_env() -> None:
     """Single-process environment DeepSpeed needs on a CPU machine (kept when torchrun set it)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from .versions import installed_version
+
+    # One compiled-op cache per DeepSpeed release: two releases must never share it.
+    cache = os.path.join(os.path.expanduser("~"), ".cache", "stepsync", f"deepspeed-{installed_version('deepspeed')}")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", cache)
     if "RANK" in os.environ:
         return
     with socket.socket() as sock:
@@ -166,7 +180,7 @@ def _accelerate_at_least_1() -> bool:
 
 def run_tiny(output_dir: str, samples: int, gas: int, epochs: float = 2, max_steps: int = -1, stage: int = 0,
              callback: Any = None, deepspeed: bool = True, resume_from_checkpoint: Optional[str] = None,
-             extra_callbacks=(), trainer_class=None, **overrides) -> RunResult:
+             extra_callbacks=(), trainer_class=None, on_trainer=None, **overrides) -> RunResult:
     """Train the tiny model once; ``callback`` is a StepSyncCallback or None (run without stepsync)."""
     cpu_distributed_env()
     from transformers import Trainer
@@ -180,6 +194,8 @@ def run_tiny(output_dir: str, samples: int, gas: int, epochs: float = 2, max_ste
     trainer = (trainer_class or Trainer)(model=tiny_model(), args=args, train_dataset=TinyDataset(samples),
                                          callbacks=callbacks)
     trainer_ref.append(trainer)
+    if on_trainer is not None:
+        on_trainer(trainer)
     result = RunResult(trainer, recording, callback)
     try:
         trainer.train(resume_from_checkpoint=resume_from_checkpoint)

@@ -24,7 +24,9 @@ def train(tmp_path, mode, python=sys.executable, extensions=None):
     import torch
 
     out = tmp_path / f"{mode}-{os.path.basename(os.path.dirname(os.path.dirname(python)))}.pt"
-    env = dict(os.environ)
+    from stepsync.testing import child_env
+
+    env = child_env()
     if extensions:
         env["TORCH_EXTENSIONS_DIR"] = extensions
     proc = subprocess.run([python, SCRIPT, mode, str(out)], env=env, capture_output=True, text=True, timeout=600)

@@ -17,9 +17,9 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("ranks")
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    from stepsync.testing import child_env
+
+    env = child_env(dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1"))
     with socket.socket() as sock:  # torchrun's --master_port 0 hangs the ranks: pick a free port
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])

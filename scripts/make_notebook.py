@@ -1,0 +1,71 @@
+"""Write and execute notebooks/walkthrough.ipynb (run with the drifting stack: .stacks/drifting/bin/python)."""
+import os
+import tempfile
+
+import nbformat as nbf
+from nbclient import NotebookClient
+md = nbf.v4.new_markdown_cell
+code = nbf.v4.new_code_cell
+cells = [
+md("""# stepsync walkthrough
+
+With DeepSpeed and `gradient_accumulation_steps=G > 1`, the Trainer decides where an accumulation window ends,
+and DeepSpeed decides it again with its own micro-step counter. That counter never restarts at an epoch.
+When an epoch's micro-batch count N is not a multiple of G, the two disagree. The Trainer's `state.global_step`
+(logging, saving, `max_steps`, checkpoint names) then drifts from `engine.global_steps` (the real updates and the
+learning-rate schedule). The seed's case: G=2, N=3, 2 epochs, transformers 5.24 with accelerate 1.7. The Trainer
+counts 4 updates, DeepSpeed makes 3.
+
+This notebook runs on CPU: a tiny GPT-2 built from a config, the real Trainer, the real DeepSpeed engine.
+The test suite runs it on the drifting stack (`bash scripts/test.sh`)."""),
+md("## 1. The forecast, before any training"),
+code("""from stepsync.forecast import RunPlan, forecast
+from stepsync.versions import Stack, behaviour_of
+
+stack = Stack.installed()
+predicted = forecast(RunPlan(micro_batches_per_epoch=3, gradient_accumulation_steps=2, num_train_epochs=2),
+                     behaviour_of(stack))
+print(stack)
+print(predicted.verdict())
+[(row.epoch, row.trainer_steps, row.engine_steps) for row in predicted.epochs]"""),
+md("## 2. A real run that drifts (stepsync only watches: policy `warn`)"),
+code("""import logging, tempfile
+from stepsync import StepSyncCallback
+from stepsync.testing import run_tiny
+
+logging.getLogger("stepsync").setLevel(logging.ERROR)  # the report below says it all
+watched = run_tiny(tempfile.mkdtemp(), samples=3, gas=2, epochs=2, log_level="error", logging_strategy="no",
+                   callback=StepSyncCallback("warn", console=False))
+report = watched.callback.report
+print(f"Trainer {report.trainer_steps}, engine {report.engine_steps}, drift {report.drift:+d}")
+for event in report.events:
+    print(event.message())
+assert watched.recording.epoch_ends == [(r.trainer_steps, r.engine_steps) for r in predicted.epochs]"""),
+md("## 3. The same run with `policy=\"sync\"`: DeepSpeed updates where the Trainer counts"),
+code("""synced = run_tiny(tempfile.mkdtemp(), samples=3, gas=2, epochs=2, log_level="error", logging_strategy="no",
+                  callback=StepSyncCallback("sync", console=False))
+print(f"Trainer {synced.trainer.state.global_step}, engine {synced.engine.global_steps}, "
+      f"drift {synced.callback.report.drift:+d}")
+assert synced.recording.engine_updates_at == synced.recording.trainer_updates_at
+assert synced.callback.report.drift == 0"""),
+md("## 4. Both counters against micro-batches"),
+code("""import matplotlib.pyplot as plt
+
+fig, axes = plt.subplots(1, 2, figsize=(6, 2.2), dpi=60, sharey=True)
+for ax, (title, result) in zip(axes, [("without a remedy", watched), ("policy 'sync'", synced)]):
+    steps = range(1, len(result.recording.trainer_steps) + 1)
+    ax.step(steps, result.recording.trainer_steps, where="post", label="Trainer global_step")
+    ax.step(steps, result.recording.engine_steps, where="post", linestyle="--", label="engine global_steps")
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("micro-batch", fontsize=8)
+axes[0].legend(fontsize=7)
+plt.tight_layout()
+plt.show()"""),
+]
+nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": tempfile.mkdtemp()}}).execute()
+for cell in nb.cells:  # keep stored outputs small: drop build noise on stderr
+    cell.get("metadata", {}).pop("execution", None)
+    if "outputs" in cell:
+        cell["outputs"] = [o for o in cell["outputs"] if o.get("name") != "stderr"]
+nbf.write(nb, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "notebooks", "walkthrough.ipynb"))

@@ -1,0 +1,135 @@
+"""What ``stepsync check`` needs, from flags, a ``TrainingArguments`` JSON and a DeepSpeed JSON.
+
+Pure: reads JSON files and resolves DeepSpeed's ``"auto"`` values as the Trainer does. Every bad
+input raises :class:`ConfigInputError` with a message naming the fix.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+from .checkpoint import read_json
+
+
+class ConfigInputError(ValueError):
+    """An input ``stepsync check`` cannot use; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class CheckInputs:
+    """The resolved configuration of one run, per rank."""
+
+    micro_batches_per_epoch: int
+    gradient_accumulation_steps: int
+    num_train_epochs: float
+    max_steps: int
+    batch_size: int
+    world_size: int
+    drop_last: bool
+
+
+# TrainingArguments field -> the name stepsync uses
+_TRAINING_ARGS = {
+    "per_device_train_batch_size": "batch_size",
+    "gradient_accumulation_steps": "gas",
+    "num_train_epochs": "epochs",
+    "max_steps": "max_steps",
+    "dataloader_drop_last": "drop_last",
+}
+# DeepSpeed key -> the TrainingArguments value the Trainer fills "auto" with
+_DEEPSPEED = {"train_micro_batch_size_per_gpu": "batch_size", "gradient_accumulation_steps": "gas"}
+
+
+def _number(value: Any, name: str, source: str, minimum: float, integer: bool = True):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and value != int(value)):
+        kind = "a whole number" if integer else "a number"
+        raise ConfigInputError(f"{name}={value!r} in {source} must be {kind}")
+    if value < minimum:
+        raise ConfigInputError(f"{name}={value!r} in {source} must be >= {minimum:g}")
+    return int(value) if integer else float(value)
+
+
+def from_training_args(data: Dict[str, Any], source: str) -> Dict[str, Any]:
+    """The values stepsync needs from a ``TrainingArguments`` JSON (``args.to_json_string()``)."""
+    found: Dict[str, Any] = {}
+    for field, name in _TRAINING_ARGS.items():
+        if field not in data or data[field] is None:
+            continue
+        value = data[field]
+        if name == "drop_last":
+            if not isinstance(value, bool):
+                raise ConfigInputError(f"{field}={value!r} in {source} must be true or false")
+            found[name] = value
+        elif name == "epochs":
+            found[name] = _number(value, field, source, 0, integer=False)
+        elif name == "max_steps":
+            found[name] = _number(value, field, source, -1)
+        else:
+            found[name] = _number(value, field, source, 1)
+    return found
+
+
+def deepspeed_config_of(data: Dict[str, Any], base: str) -> Optional[Dict[str, Any]]:
+    """The DeepSpeed config a ``TrainingArguments`` JSON names (a dict, or a path relative to it)."""
+    value = data.get("deepspeed")
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, str) and value:
+        return read_json(os.path.join(os.path.dirname(base), value), "the DeepSpeed config named by 'deepspeed'")
+    return None
+
+
+def resolve(flags: Dict[str, Any], training_args: Optional[Dict[str, Any]] = None,
+            deepspeed: Optional[Dict[str, Any]] = None, source: str = "the training arguments") -> CheckInputs:
+    """Flags override the ``TrainingArguments`` values; the DeepSpeed config's numbers must agree with
+    them, as the Trainer demands, and fill what neither gives."""
+    values = dict(training_args or {})
+    values.update({k: v for k, v in flags.items() if v is not None and k not in ("samples", "micro_batches")})
+    for key, name in _DEEPSPEED.items():
+        given = (deepspeed or {}).get(key, "auto")
+        if given == "auto":
+            continue
+        given = _number(given, key, "the DeepSpeed config", 1)
+        if name in values and values[name] != given:
+            raise ConfigInputError(
+                f"the DeepSpeed config sets {key}={given} but the training arguments say {values[name]}: "
+                f"the Trainer refuses that mismatch; set {key} to \"auto\" or make them equal")
+        values[name] = given
+    batch, gas = values.get("batch_size", 1), values.get("gas")
+    if gas is None:
+        raise ConfigInputError("gradient_accumulation_steps is not given: pass --gas, or --training-args / "
+                               "--deepspeed-config files that set it")
+    world = values.get("world_size")
+    total = (deepspeed or {}).get("train_batch_size", "auto")
+    if total != "auto":
+        total = _number(total, "train_batch_size", "the DeepSpeed config", 1)
+        if total % (batch * gas):
+            raise ConfigInputError(f"train_batch_size={total} in the DeepSpeed config is not a multiple of "
+                                   f"batch size {batch} x gradient_accumulation_steps {gas}: set it to \"auto\"")
+        if world is not None and total != batch * gas * world:
+            raise ConfigInputError(f"train_batch_size={total} in the DeepSpeed config != {batch} x {gas} x "
+                                   f"world size {world}: set it to \"auto\" or fix --world-size")
+        world = total // (batch * gas)
+    world = world or 1
+    max_steps = values.get("max_steps", -1)
+    epochs = values.get("epochs", 1.0)
+    if max_steps <= 0 and not epochs > 0:
+        raise ConfigInputError(f"num_train_epochs must be > 0 when max_steps is not set, got {epochs}")
+    drop_last = bool(values.get("drop_last", False))
+    return CheckInputs(_micro_batches(flags, batch, world, drop_last), gas, epochs, max_steps, batch, world,
+                       drop_last)
+
+
+def _micro_batches(flags: Dict[str, Any], batch: int, world: int, drop_last: bool) -> int:
+    if flags.get("micro_batches"):
+        return flags["micro_batches"]
+    samples = flags.get("samples")
+    if not samples:
+        raise ConfigInputError("the dataset size is not given: pass --samples or --micro-batches-per-epoch")
+    per_rank = -(-samples // world)  # the distributed sampler pads every rank to the same length
+    micro = per_rank // batch if drop_last else -(-per_rank // batch)
+    if micro < 1:
+        raise ConfigInputError(f"{samples} samples on {world} rank(s) give no full batch of {batch} with "
+                               "drop_last: lower the batch size or drop --drop-last")
+    return micro

@@ -1,0 +1,26 @@
+"""notebooks/walkthrough.ipynb runs from top to bottom on a real stack (its cells assert the counts)."""
+import os
+
+import pytest
+
+from real import DRIFTS, needs_stack
+
+pytestmark = [needs_stack, pytest.mark.integration]
+NOTEBOOK = os.path.join(os.path.dirname(__file__), "..", "notebooks", "walkthrough.ipynb")
+
+
+def test_walkthrough_executes(tmp_path, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("matplotlib", reason="the notebook's plot needs matplotlib (the drifting stack has it)")
+    from stepsync.testing import PROCESS_GROUP_VARS
+
+    for name in PROCESS_GROUP_VARS:  # the kernel starts its own process group; this process holds the port
+        monkeypatch.delenv(name, raising=False)
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    text = "".join(o.get("text", "") for cell in notebook.cells for o in cell.get("outputs", []))
+    assert ("Trainer 4, engine 3, drift +1" if DRIFTS else "Trainer 4, engine 4, drift +0") in text
+    assert "Trainer 4, engine 4, drift +0" in text
+    assert any("image/png" in o.get("data", {}) for cell in notebook.cells for o in cell.get("outputs", []))
