@@ -53,6 +53,7 @@ def run_demo(args) -> int:
     policies = [None, Policy.SYNC] if args.compare else [Policy.parse(args.policy)]
     console.print("[bold]stepsync demo[/]: a tiny GPT-2 built from a config, the real Trainer and DeepSpeed on CPU, "
                   f"N={args.samples} micro-batches per epoch, G={args.gas}, {args.epochs} epochs.")
+    console.print(STARTING[0].upper() + STARTING[1:] + ".")
     tables, failed = [], False
     for policy in policies:
         title = "without stepsync" if policy is None else f"policy '{policy.value}'"

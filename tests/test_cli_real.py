@@ -101,3 +101,16 @@ def test_inspect_a_corrupted_copy(run_dirs, tmp_path, how, message):
     assert data["safe_to_resume"] == "checkpoint-3"  # the newest whole one
     proc = stepsync("inspect", str(tmp_path / "copy"))  # the table view says the same, without a traceback
     assert proc.returncode == 1 and "Traceback" not in proc.stderr and "checkpoint-3" in proc.stdout
+
+
+def test_demo_compare_shows_the_drift_and_the_fix():
+    import subprocess
+    import sys
+
+    from stepsync.testing import child_env
+
+    proc = subprocess.run([sys.executable, "-m", "stepsync", "demo", "--compare"], env=child_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("without stepsync: Trainer 4, engine 3" if DRIFTS else "without stepsync: Trainer 4, engine 4") in proc.stdout
+    assert "policy 'sync': Trainer 4, engine 4" in proc.stdout and "compiles an op" in proc.stdout
