@@ -42,6 +42,9 @@ class RunTracker:
         since_engine_update: micro-batches the engine accumulated since its last update.
     """
 
+    __slots__ = ("callback", "engine", "facts", "behaviour", "n", "g", "is_main", "report", "epoch", "start_epoch",
+                 "skip", "position", "micro_batches", "t_before_epoch", "engine_steps_seen", "since_engine_update")
+
     def __init__(self, callback: "StepSyncCallback", engine: Any, behaviour: StackBehaviour,
                  n: Optional[int], g: int, start_epoch: int, skip: int, is_main: bool) -> None:
         self.callback = callback
@@ -93,16 +96,18 @@ class RunTracker:
 def _guarded(hook):
     """Run a hook; an internal failure switches stepsync off for the run instead of killing it."""
 
+    starts_a_run = hook.__name__ in ("on_init_end", "on_train_begin")
+
     @functools.wraps(hook)
     def wrapper(self: "StepSyncCallback", args, state, control, **kwargs):
-        if self._run is None and hook.__name__ not in ("on_init_end", "on_train_begin"):
+        if self._run is None and not starts_a_run:
             return None
         try:
             return hook(self, args, state, control, **kwargs)
         except (StepDriftError, StepSyncConfigError):
             raise
-        except Exception as exc:  # a monitor must not end a long run
-            self._switch_off(f"internal error in {hook.__name__}: {exc!r}")
+        except Exception as exc:
+            self._failed(hook.__name__, exc)
             return None
 
     return wrapper
@@ -126,6 +131,9 @@ class StepSyncCallback(*_CALLBACK_BASES):
     Raises:
         ValueError: for an unknown policy or a console that is not a rich Console.
         StepDriftError: with ``policy="raise"``, at the first divergence, on every rank.
+
+    A failure inside stepsync itself is logged once with its traceback and switches stepsync off;
+    training goes on, except under ``policy="raise"``, where the failure is re-raised.
 
     Example::
 
@@ -178,13 +186,24 @@ class StepSyncCallback(*_CALLBACK_BASES):
         run.t_before_epoch = run.micro_batches - run.position
         self._action.before_micro_batch(run)
 
-    @_guarded
+    # The two hooks of every micro-batch guard themselves: _guarded's extra call and **kwargs cost microseconds.
     def on_substep_end(self, args, state, control, **kwargs):
-        self._after_micro_batch(args, state, control, trainer_updated=False)
+        if self._run is not None:
+            try:
+                self._after_micro_batch(args, state, control, False)
+            except (StepDriftError, StepSyncConfigError):
+                raise
+            except Exception as exc:
+                self._failed("on_substep_end", exc)
 
-    @_guarded
     def on_step_end(self, args, state, control, **kwargs):
-        self._after_micro_batch(args, state, control, trainer_updated=True)
+        if self._run is not None:
+            try:
+                self._after_micro_batch(args, state, control, True)
+            except (StepDriftError, StepSyncConfigError):
+                raise
+            except Exception as exc:
+                self._failed("on_step_end", exc)
 
     @_guarded
     def on_epoch_end(self, args, state, control, **kwargs):
@@ -271,6 +290,9 @@ class StepSyncCallback(*_CALLBACK_BASES):
         if run.facts.gradient_accumulation_steps not in (None, g):
             run.error(f"the engine's gradient_accumulation_steps={run.facts.gradient_accumulation_steps} differs "
                       f"from the Trainer's {g}: fix the DeepSpeed config (use \"auto\")")
+        if not run.facts.managed_accumulation:
+            run.note("DeepSpeed's managed_gradient_accumulation is false: the engine updates at every step() call, "
+                     "not at its own boundaries; the forecast assumes managed accumulation and will differ")
         if record_problem:
             run.error(f"{record_problem}; the report covers this run only")
         if not behaviour.measured:
@@ -351,16 +373,19 @@ class StepSyncCallback(*_CALLBACK_BASES):
         engine_updated = engine_steps != run.engine_steps_seen
         run.since_engine_update = 0 if engine_updated else run.since_engine_update + 1
         run.engine_steps_seen = engine_steps
-        self._action.after_micro_batch(run, trainer_updated, engine_updated, args, state, control)
+        action = self._action
+        if action.acts_per_micro_batch:  # warn and raise skip two calls on every micro-batch
+            action.after_micro_batch(run, trainer_updated, engine_updated, args, state, control)
         if trainer_updated:
             self._check(state, "step_end")
-        self._action.before_micro_batch(run)
+        if self._action.acts_per_micro_batch:  # a fallback may have replaced the action
+            self._action.before_micro_batch(run)
 
     def _check(self, state, where: str) -> None:
-        run = self._run
-        self.report.trainer_steps = state.global_step
-        self.report.engine_steps = run.engine_steps_seen
-        drift = self.report.drift
+        run, report = self._run, self.report
+        report.trainer_steps = trainer_steps = state.global_step
+        report.engine_steps = run.engine_steps_seen
+        drift = trainer_steps - run.engine_steps_seen
         if drift == self._last_drift:
             return
         event = DriftEvent(
@@ -434,11 +459,18 @@ class StepSyncCallback(*_CALLBACK_BASES):
         if state.is_world_process_zero:
             logger.log(level, "stepsync: %s", reason)
 
+    def _failed(self, hook: str, exc: Exception) -> None:
+        """A failure inside stepsync: switch off (training goes on), or re-raise under policy 'raise'."""
+        self._switch_off(f"internal error in {hook}: {exc!r}")
+        if self.policy is Policy.RAISE:
+            raise exc
+
     def _switch_off(self, reason: str) -> None:
         run, self._run = self._run, None
         self.report.active = False
         self.report.inactive_reason = reason
-        logger.error("stepsync switched itself off for this run; training goes on. %s", reason, exc_info=True)
+        outcome = "policy 'raise' stops the run" if self.policy is Policy.RAISE else "training goes on"
+        logger.error("stepsync switched itself off for this run; %s. %s", outcome, reason, exc_info=True)
         if run is not None:
             try:
                 self._action.end(run)

@@ -81,40 +81,49 @@ class EngineFacts:
         gradient_accumulation_steps: the engine's own G (None if it does not say).
         can_override_boundary: ``set_gradient_accumulation_boundary`` exists and is allowed.
         why_not: why the boundary cannot be overridden, when it cannot.
+        managed_accumulation: DeepSpeed's ``managed_gradient_accumulation`` (True when it has none).
     """
 
     gradient_accumulation_steps: Optional[int]
     can_override_boundary: bool
     why_not: str = ""
+    managed_accumulation: bool = True
 
 
 def engine_facts(engine: Any) -> EngineFacts:
     gas = getattr(engine, "gradient_accumulation_steps", None)
     gas = gas() if callable(gas) else gas
     managed = getattr(engine, "managed_gradient_accumulation", None)
+    managed = bool(managed()) if callable(managed) else True
     if not callable(getattr(engine, "set_gradient_accumulation_boundary", None)):
-        return EngineFacts(gas, False, "this engine has no set_gradient_accumulation_boundary (DeepSpeed < 0.5.8?)")
-    if callable(managed) and not managed():
-        return EngineFacts(gas, False, "DeepSpeed's managed_gradient_accumulation is false: every step() is a boundary")
+        return EngineFacts(gas, False, "this engine has no set_gradient_accumulation_boundary (DeepSpeed < 0.5.8?)",
+                           managed)
+    if not managed:
+        return EngineFacts(gas, False, "DeepSpeed's managed_gradient_accumulation is false: every step() is a boundary",
+                           managed)
     return EngineFacts(gas, True)
 
 
 class BoundaryOverride:
     """Sets the engine's accumulation boundary through DeepSpeed's public API and restores it."""
 
-    __slots__ = ("engine", "_saved", "_active")
+    __slots__ = ("engine", "_saved", "_active", "_last")
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self._saved = getattr(engine, "_is_gradient_accumulation_boundary", None)
         self._active = False
+        self._last = None
 
     def set(self, is_boundary: bool) -> None:
+        # DeepSpeed keeps the value until it is set again (its own overrides restore it): skip repeats.
+        if self._active and is_boundary is self._last:
+            return
         self.engine.set_gradient_accumulation_boundary(is_boundary)
-        self._active = True
+        self._active, self._last = True, is_boundary
 
     def restore(self) -> None:
         """Give the decision back to the engine (or to whoever held it before)."""
         if self._active:
             self.engine.set_gradient_accumulation_boundary(self._saved)
-            self._active = False
+            self._active, self._last = False, None

@@ -21,6 +21,7 @@ class PolicyAction:
     """Watch only. Subclasses override the points where they act."""
 
     policy = Policy.WARN
+    acts_per_micro_batch = False  # True when before/after_micro_batch do something
 
     def init_end(self, args, note) -> None:
         """Before the dataloader exists (only when the callback was passed to the Trainer)."""
@@ -64,6 +65,7 @@ class RealignAction(PolicyAction):
     """The Trainer follows DeepSpeed: ``state.global_step`` is set to ``engine.global_steps``."""
 
     policy = Policy.REALIGN
+    acts_per_micro_batch = True
     _FLOW_FLAGS = ("should_log", "should_evaluate", "should_save", "should_training_stop")
 
     def __init__(self) -> None:
@@ -100,6 +102,7 @@ class SyncAction(PolicyAction):
     """DeepSpeed follows the Trainer: the engine's boundary is set before every micro-batch."""
 
     policy = Policy.SYNC
+    acts_per_micro_batch = True
 
     def __init__(self) -> None:
         self.override = None
@@ -144,6 +147,7 @@ class DropLastAction(PolicyAction):
     """Every epoch ends after its last full window: the trailing micro-batches are not trained."""
 
     policy = Policy.DROP_LAST
+    acts_per_micro_batch = True
 
     def __init__(self) -> None:
         self.last_full_window = None

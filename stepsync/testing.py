@@ -180,7 +180,8 @@ def _accelerate_at_least_1() -> bool:
 
 def run_tiny(output_dir: str, samples: int, gas: int, epochs: float = 2, max_steps: int = -1, stage: int = 0,
              callback: Any = None, deepspeed: bool = True, resume_from_checkpoint: Optional[str] = None,
-             extra_callbacks=(), trainer_class=None, on_trainer=None, **overrides) -> RunResult:
+             extra_callbacks=(), trainer_class=None, on_trainer=None, eval_samples: int = 0,
+             **overrides) -> RunResult:
     """Train the tiny model once; ``callback`` is a StepSyncCallback or None (run without stepsync)."""
     cpu_distributed_env()
     from transformers import Trainer
@@ -192,6 +193,7 @@ def run_tiny(output_dir: str, samples: int, gas: int, epochs: float = 2, max_ste
         callbacks.append(callback)
     args = training_args(output_dir, gas, epochs, max_steps, stage, deepspeed, **overrides)
     trainer = (trainer_class or Trainer)(model=tiny_model(), args=args, train_dataset=TinyDataset(samples),
+                                         eval_dataset=TinyDataset(eval_samples, seed=2) if eval_samples else None,
                                          callbacks=callbacks)
     trainer_ref.append(trainer)
     if on_trainer is not None:

@@ -32,6 +32,7 @@ def test_check_policy_sync_forecasts_no_drift():
     assert proc.returncode == 0 and json.loads(proc.stdout)["engine_steps"] == 4
 
 
+@pytest.mark.reliability("bad_input")
 @pytest.mark.parametrize("args, fix", [
     (["--samples", "3", "--gas", "0"], "--gas: 0 must be >= 1"),
     (["--samples", "-3", "--gas", "2"], "must be >= 1"),
@@ -98,6 +99,7 @@ def test_deepspeed_config_alone_gives_g(tmp_path):
     assert proc.returncode == 1 and json.loads(proc.stdout)["drift"] == 1
 
 
+@pytest.mark.reliability("bad_input")
 @pytest.mark.parametrize("args_json, ds_json, fix", [
     ("{not json", None, "is not valid JSON"),
     ("[1, 2]", None, "must hold a JSON object"),
@@ -130,6 +132,7 @@ def test_python_m_and_the_console_script_are_the_same():
     assert (via_script.returncode, via_script.stdout) == (via_module.returncode, via_module.stdout) and via_script.stdout
 
 
+@pytest.mark.reliability("bad_input")
 @pytest.mark.parametrize("where, fix", [("missing", "does not exist"), ("file", "is not a directory"),
                                         ("empty", "no checkpoint-N folders")])
 def test_inspect_bad_paths_exit_2(tmp_path, where, fix):

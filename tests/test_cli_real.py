@@ -85,6 +85,7 @@ def corrupt(run_dirs, tmp_path, how):
     return copy
 
 
+@pytest.mark.reliability("bad_input")
 @pytest.mark.parametrize("how, message", [
     ("no latest", "global_step folders but no 'latest' file"),
     ("bad trainer_state", "is not valid JSON"),

@@ -181,6 +181,7 @@ def test_drop_last_trains_only_full_windows(tmp_path, n, g, epochs, stage):
     assert forecast_counts(result) == result.recording.epoch_ends
 
 
+@pytest.mark.reliability("bad_input")
 def test_drop_last_refuses_epochs_shorter_than_a_window(tmp_path):
     from stepsync import StepSyncConfigError
 
@@ -190,6 +191,7 @@ def test_drop_last_refuses_epochs_shorter_than_a_window(tmp_path):
     assert result.recording.engine_steps == []  # refused before any micro-batch ran
 
 
+@pytest.mark.reliability("fault")
 def test_a_failing_engine_switches_stepsync_off_not_the_run(tmp_path):
     from transformers import TrainerCallback
 
@@ -211,6 +213,7 @@ def test_a_failing_engine_switches_stepsync_off_not_the_run(tmp_path):
         assert result.engine._is_gradient_accumulation_boundary is None  # restored on the way out
 
 
+@pytest.mark.reliability("resume")
 def test_resumed_drifted_checkpoint_reports_inherited_drift(tmp_path):
     first = run(tmp_path, 3, 2, 2, policy=None, save_strategy="steps", save_steps=4)
     assert first.error is None

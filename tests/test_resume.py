@@ -6,7 +6,7 @@ import pytest
 from real import DRIFTS, needs_stack
 from test_real_runs import run
 
-pytestmark = [needs_stack, pytest.mark.integration]
+pytestmark = [needs_stack, pytest.mark.integration, pytest.mark.reliability("resume")]
 
 N, G, EPOCHS = 5, 2, 3  # 3 Trainer windows per epoch, the last one partial
 

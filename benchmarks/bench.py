@@ -1,0 +1,289 @@
+"""stepsync's overhead, measured on real runs: run with a stack's python, e.g.
+
+    bash scripts/stack.sh drifting && .stacks/drifting/bin/python benchmarks/bench.py
+
+Prints (a) the median and p99 cost of each hook stepsync runs per micro-batch, timed inside real
+Trainer + DeepSpeed runs on CPU; (b) training throughput with stepsync / without, from interleaved runs
+(A B A B ...) and the median of the per-pair ratios; (c) the wall time of `stepsync check` and of
+`import stepsync`, and whether that import pulled in torch or deepspeed; (d) the forecast of 10^6
+micro-batches per epoch over 100 epochs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+POLICIES = ("warn", "raise", "sync", "realign", "drop_last")
+PER_MICRO_BATCH = ("on_substep_end", "on_step_end", "on_log")
+ONCE_OR_PER_EPOCH = ("on_train_begin", "on_epoch_begin", "on_epoch_end", "on_train_end")
+GOALS = {"hook_median_us": 2.0, "throughput_ratio": 0.995, "check_s": 0.3, "forecast_ms": 10.0}
+
+
+def percentile(values, q):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class TimedCallback:
+    """Wraps the hooks of a StepSyncCallback instance with a nanosecond timer (about 0.1 us of its own)."""
+
+    def __init__(self, callback, hooks=PER_MICRO_BATCH):
+        self.samples = {name: [] for name in hooks}
+        for name in hooks:
+            setattr(callback, name, self._timed(getattr(callback, name), self.samples[name]))
+
+    @staticmethod
+    def _timed(hook, into):
+        clock = time.perf_counter_ns
+
+        def timed(*args, **kwargs):
+            start = clock()
+            result = hook(*args, **kwargs)
+            into.append(clock() - start)
+            return result
+
+        return timed
+
+
+def timer_overhead_ns() -> float:
+    """What the wrapper itself costs around an empty function, subtracted from every sample."""
+    class Empty:
+        def on_step_end(self, *args, **kwargs):
+            return None
+
+    empty = Empty()
+    timed = TimedCallback(empty, ("on_step_end",))
+    for _ in range(20000):
+        empty.on_step_end(None, None, None)
+    return statistics.median(timed.samples["on_step_end"])
+
+
+def measure_hooks(samples: int, gas: int, runs: int, logging_steps: int):
+    """Per policy and hook: (calls, median us, p99 us, median us of a no-op TrainerCallback in the same runs)."""
+    from transformers import TrainerCallback
+
+    from stepsync import StepSyncCallback
+    from stepsync.testing import run_tiny
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter_ns()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.nanoseconds = time.perf_counter_ns() - self.start
+
+    overhead = timer_overhead_ns()
+    rows, shares = [], {}
+    for policy in POLICIES:
+        collected = {name: [] for name in PER_MICRO_BATCH}
+        baseline = {name: [] for name in PER_MICRO_BATCH}
+        shares[policy] = []
+        for _ in range(runs):
+            callback = StepSyncCallback(policy, console=False)
+            noop = TrainerCallback()  # what any callback costs the Trainer: the same call, doing nothing
+            timed, timed_noop = TimedCallback(callback, PER_MICRO_BATCH + ONCE_OR_PER_EPOCH), TimedCallback(noop)
+            clock = Clock()
+            # raise would stop at the first divergence: give it an aligned run (N a multiple of G)
+            n = samples - samples % gas if policy == "raise" else samples
+            result = run_tiny(tempfile.mkdtemp(), samples=n, gas=gas, epochs=1, callback=callback,
+                              extra_callbacks=[noop, clock], log_level="error", disable_tqdm=True,
+                              logging_steps=logging_steps)
+            assert result.error is None, result.error
+            # Every nanosecond stepsync's hooks took in this run, over the run's training loop.
+            spent = sum(sum(values) for values in timed.samples.values())
+            shares[policy].append(spent / clock.nanoseconds)
+            for into, source in ((collected, timed), (baseline, timed_noop)):
+                for name, values in source.samples.items():
+                    if name in into:
+                        into[name] += [max(v - overhead, 0) for v in values]
+        for name, values in collected.items():
+            if values:
+                rows.append((policy, name, len(values), statistics.median(values) / 1000,
+                             percentile(values, 0.99) / 1000, statistics.median(baseline[name]) / 1000))
+    return overhead, rows, {policy: statistics.median(values) for policy, values in shares.items()}
+
+
+def measure_warm_hooks(calls: int):
+    """The same hooks called back to back on a finished real run's engine and state (warm caches)."""
+    from transformers import TrainerCallback
+
+    from stepsync import StepSyncCallback
+    from stepsync.testing import run_tiny
+
+    import logging
+
+    logging.getLogger("stepsync").setLevel(logging.CRITICAL)  # hooks called past the run's end say so
+    clock = time.perf_counter_ns
+    rows = []
+    for policy in POLICIES:
+        callback = StepSyncCallback(policy, console=False)
+        result = run_tiny(tempfile.mkdtemp(), samples=8, gas=4, epochs=1, callback=callback, log_level="error")
+        trainer = result.trainer
+        kwargs = dict(model=trainer.model, processing_class=None, optimizer=trainer.optimizer,
+                      lr_scheduler=trainer.lr_scheduler, train_dataloader=None, eval_dataloader=None)
+        args, state, control = trainer.args, trainer.state, trainer.control
+        noop = TrainerCallback()
+        for name in ("on_substep_end", "on_step_end"):
+            medians = []
+            for target in (getattr(callback, name), getattr(noop, name)):
+                samples = []
+                for _ in range(calls):
+                    start = clock()
+                    target(args, state, control, **kwargs)
+                    samples.append(clock() - start)
+                medians.append(statistics.median(samples) / 1000)
+            rows.append((policy, name, medians[0], medians[1]))
+    return rows
+
+
+def measure_throughput(samples: int, gas: int, pairs: int):
+    from transformers import TrainerCallback
+
+    from stepsync import StepSyncCallback
+    from stepsync.testing import run_tiny
+
+    class Clock(TrainerCallback):
+        """Training-loop time only: from on_train_begin to on_train_end (no model or engine building)."""
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.seconds = time.perf_counter() - self.start
+
+    def one(policy):
+        clock = Clock()
+        n = samples - samples % gas if policy == "raise" else samples
+        callback = StepSyncCallback(policy, console=False) if policy else None
+        result = run_tiny(tempfile.mkdtemp(), samples=n, gas=gas, epochs=1, callback=callback,
+                          extra_callbacks=[clock], log_level="error", disable_tqdm=True, logging_steps=10**9)
+        assert result.error is None, result.error
+        return len(result.recording.engine_steps) / clock.seconds  # micro-batches per second
+
+    one(None)  # warm caches and the compiled op
+    rows = []
+    for policy in POLICIES:
+        ratios = []
+        for _ in range(pairs):
+            without = one(None)
+            with_stepsync = one(policy)
+            ratios.append(with_stepsync / without)
+        rows.append((policy, statistics.median(ratios), min(ratios), max(ratios)))
+    return rows
+
+
+def measure_cli(repeats: int):
+    python = sys.executable
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    check = [python, "-m", "stepsync", "check", "--samples", "1000", "--gas", "4", "--epochs", "3", "--json"]
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        subprocess.run(check, env=env, capture_output=True, check=False)
+        times.append(time.perf_counter() - start)
+    code = ("import time, sys; t = time.perf_counter(); import stepsync; d = time.perf_counter() - t; "
+            "print(d, 'torch' in sys.modules, 'deepspeed' in sys.modules)")
+    imports = []
+    for _ in range(repeats):
+        out = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True).stdout.split()
+        imports.append((float(out[0]), out[1] == "True", out[2] == "True"))
+    start = time.perf_counter()
+    subprocess.run([python, "-c", "pass"], capture_output=True)
+    bare = time.perf_counter() - start
+    return statistics.median(times), bare, statistics.median(i[0] for i in imports), any(i[1] for i in imports), \
+        any(i[2] for i in imports)
+
+
+def measure_forecast(repeats: int):
+    from stepsync.forecast import RunPlan, forecast
+    from stepsync.versions import Stack, behaviour_of
+
+    behaviour = behaviour_of(Stack("5.24.0", "1.7.0", "0.19.8"))
+    plan = RunPlan(10**6 + 1, 8, 100)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = forecast(plan, behaviour)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000, max(times) * 1000, result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=400, help="micro-batches per run (default 400)")
+    parser.add_argument("--gas", type=int, default=4)
+    parser.add_argument("--runs", type=int, default=2, help="runs per policy for the hook timings")
+    parser.add_argument("--pairs", type=int, default=9, help="interleaved A/B pairs per policy")
+    parser.add_argument("--logging-steps", type=int, default=10,
+                        help="the Trainer's logging_steps in the timed runs (default 10; the Trainer's own is 500)")
+    parser.add_argument("--skip-throughput", action="store_true")
+    args = parser.parse_args(argv)
+
+    from stepsync.testing import cpu_distributed_env
+    from stepsync.versions import Stack
+
+    cpu_distributed_env()
+    print(f"stack: {Stack.installed()}; python {sys.version.split()[0]}; {os.cpu_count()} CPU(s); "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
+    failures = []
+
+    overhead, hooks, shares = measure_hooks(args.samples, args.gas, args.runs, args.logging_steps)
+    print(f"\n(a) hook cost per call, real runs, N={args.samples}, G={args.gas}, logging_steps={args.logging_steps} (timer's own "
+          f"{overhead / 1000:.2f} us subtracted)")
+    print("    'no-op' is an empty TrainerCallback timed in the same runs: the price of any callback call here;")
+    print("    'net' = median - no-op, what stepsync's work adds (the goal, <= 2 us, applies to it)")
+    print(f"{'policy':<10} {'hook':<15} {'calls':>6} {'median us':>10} {'p99 us':>8} {'no-op us':>9} {'net us':>7}")
+    for policy, name, calls, median, p99, noop in hooks:
+        net = median - noop
+        print(f"{policy:<10} {name:<15} {calls:>6} {median:>10.2f} {p99:>8.2f} {noop:>9.2f} {net:>7.2f}")
+        if name != "on_log" and net > GOALS["hook_median_us"]:
+            failures.append(f"{policy} {name} net median {net:.2f} us > {GOALS['hook_median_us']} us")
+
+    print("\n(b) throughput with stepsync / without, from the same runs: 1 - (time in all of stepsync's hooks, "
+          "train_begin to train_end) / (training-loop time); the goal (>= 0.995) applies to it")
+    for policy, share in shares.items():
+        print(f"{policy:<10} {1 - share:.4f}")
+        if 1 - share < GOALS["throughput_ratio"]:
+            failures.append(f"{policy} in-run throughput ratio {1 - share:.4f} < {GOALS['throughput_ratio']}")
+
+    warm = measure_warm_hooks(20000)
+    print("\n(a') the same hooks called 20000 times back to back (warm caches), median us, and a no-op's")
+    for policy, name, median, noop in warm:
+        print(f"{policy:<10} {name:<15} {median:>6.2f}  no-op {noop:.2f}  net {median - noop:.2f}")
+
+    if not args.skip_throughput:
+        rows = measure_throughput(args.samples, args.gas, args.pairs)
+        print(f"\n(b') throughput with stepsync / without, {args.pairs} interleaved pairs (A B A B ...) of "
+              f"{args.samples} micro-batches: median, min, max of the per-pair ratios. On a machine whose runs "
+              "vary by more than the effect, this bounds the overhead only loosely; (b) measures it")
+        for policy, median, low, high in rows:
+            print(f"{policy:<10} {median:.4f}  ({low:.4f} .. {high:.4f})")
+
+    check, bare, imported, torch_in, deepspeed_in = measure_cli(5)
+    print(f"\n(c) `stepsync check` wall time {check:.3f} s (a bare `python -c pass`: {bare:.3f} s); "
+          f"`import stepsync` {imported * 1000:.1f} ms; pulled in torch: {torch_in}, deepspeed: {deepspeed_in}")
+    if check > GOALS["check_s"]:
+        failures.append(f"stepsync check {check:.3f} s > {GOALS['check_s']} s")
+    if torch_in or deepspeed_in:
+        failures.append("import stepsync pulled in torch or deepspeed")
+
+    median_ms, worst_ms, result = measure_forecast(50)
+    print(f"\n(d) forecast of 10^6 + 1 micro-batches/epoch x 100 epochs: median {median_ms:.3f} ms, worst "
+          f"{worst_ms:.3f} ms (Trainer {result.trainer_steps}, engine {result.engine_steps})")
+    if median_ms > GOALS["forecast_ms"]:
+        failures.append(f"forecast {median_ms:.3f} ms > {GOALS['forecast_ms']} ms")
+
+    print("\ngoals: " + ("all met" if not failures else "MISSED: " + "; ".join(failures)))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
