@@ -72,7 +72,9 @@ def simulate(n, g, epochs, max_steps, behaviour, policy, trainer_start=0, engine
             continue  # a resumed epoch with nothing left to run
         if ran == 0:
             break
-        partial = n % g if (not stop or s + 1 == n) and s + 1 == n and behaviour.trainer_rule is TrainerRule.EPOCH_END and policy is not Policy.DROP_LAST else 0
+        ran_to_epoch_end = s + 1 == n  # s: the last micro-batch index this epoch ran
+        has_partial_window = behaviour.trainer_rule is TrainerRule.EPOCH_END and policy is not Policy.DROP_LAST
+        partial = n % g if ran_to_epoch_end and has_partial_window else 0
         rows.append((epoch + 1, ran, tu, eu, trainer_steps, engine_steps, partial, 0 if stop else dropped))
         if stop:
             break
