@@ -65,12 +65,9 @@ def timer_overhead_ns() -> float:
     return statistics.median(timed.samples["on_step_end"])
 
 
-def measure_hooks(samples: int, gas: int, runs: int, logging_steps: int):
-    """Per policy and hook: (calls, median us, p99 us, median us of a no-op TrainerCallback in the same runs)."""
+def loop_clock():
+    """A callback timing the training loop only, on_train_begin to on_train_end (no model or engine building)."""
     from transformers import TrainerCallback
-
-    from stepsync import StepSyncCallback
-    from stepsync.testing import run_tiny
 
     class Clock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
@@ -78,6 +75,16 @@ def measure_hooks(samples: int, gas: int, runs: int, logging_steps: int):
 
         def on_train_end(self, args, state, control, **kwargs):
             self.nanoseconds = time.perf_counter_ns() - self.start
+
+    return Clock()
+
+
+def measure_hooks(samples: int, gas: int, runs: int, logging_steps: int):
+    """Per policy and hook: (calls, median us, p99 us, median us of a no-op TrainerCallback in the same runs)."""
+    from transformers import TrainerCallback
+
+    from stepsync import StepSyncCallback
+    from stepsync.testing import run_tiny
 
     overhead = timer_overhead_ns()
     rows, shares = [], {}
@@ -89,7 +96,7 @@ def measure_hooks(samples: int, gas: int, runs: int, logging_steps: int):
             callback = StepSyncCallback(policy, console=False)
             noop = TrainerCallback()  # what any callback costs the Trainer: the same call, doing nothing
             timed, timed_noop = TimedCallback(callback, PER_MICRO_BATCH + ONCE_OR_PER_EPOCH), TimedCallback(noop)
-            clock = Clock()
+            clock = loop_clock()
             # raise would stop at the first divergence: give it an aligned run (N a multiple of G)
             n = samples - samples % gas if policy == "raise" else samples
             result = run_tiny(tempfile.mkdtemp(), samples=n, gas=gas, epochs=1, callback=callback,
@@ -144,28 +151,17 @@ def measure_warm_hooks(calls: int):
 
 
 def measure_throughput(samples: int, gas: int, pairs: int):
-    from transformers import TrainerCallback
-
     from stepsync import StepSyncCallback
     from stepsync.testing import run_tiny
 
-    class Clock(TrainerCallback):
-        """Training-loop time only: from on_train_begin to on_train_end (no model or engine building)."""
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_train_end(self, args, state, control, **kwargs):
-            self.seconds = time.perf_counter() - self.start
-
     def one(policy):
-        clock = Clock()
+        clock = loop_clock()
         n = samples - samples % gas if policy == "raise" else samples
         callback = StepSyncCallback(policy, console=False) if policy else None
         result = run_tiny(tempfile.mkdtemp(), samples=n, gas=gas, epochs=1, callback=callback,
                           extra_callbacks=[clock], log_level="error", disable_tqdm=True, logging_steps=10**9)
         assert result.error is None, result.error
-        return len(result.recording.engine_steps) / clock.seconds  # micro-batches per second
+        return len(result.recording.engine_steps) / (clock.nanoseconds / 1e9)  # micro-batches per second
 
     one(None)  # warm caches and the compiled op
     rows = []

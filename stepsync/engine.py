@@ -12,21 +12,27 @@ from typing import Any, Optional
 _MAX_FRAMES = 12  # Trainer -> CallbackHandler.on_x -> call_event -> our hook, plus subclasses' overrides
 
 
+def _calling_frames(depth: int):
+    """The frames above the caller of the function that calls this, nearest first, at most ``_MAX_FRAMES``."""
+    frame = sys._getframe(depth + 1)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            return
+        yield frame
+        frame = frame.f_back
+
+
 def find_trainer(callback: Any) -> Optional[Any]:
     """The Trainer whose callback handler holds ``callback``, found on the calling stack.
 
     Called from inside a hook, so the Trainer (or a subclass) is a few frames up; matching on its
     ``callback_handler`` finds the right one even with nested Trainers.
     """
-    frame = sys._getframe(1)
-    for _ in range(_MAX_FRAMES):
-        if frame is None:
-            return None
+    for frame in _calling_frames(1):
         candidate = frame.f_locals.get("self")
         handler = getattr(candidate, "callback_handler", None)
         if handler is not None and any(cb is callback for cb in getattr(handler, "callbacks", ())):
             return candidate
-        frame = frame.f_back
     return None
 
 
@@ -35,14 +41,10 @@ def resume_checkpoint(trainer: Any) -> Optional[str]:
 
     Read from the loop's frame: no Trainer release passes it to callbacks.
     """
-    frame = sys._getframe(1)
-    for _ in range(_MAX_FRAMES):
-        if frame is None:
-            return None
+    for frame in _calling_frames(1):
         if frame.f_locals.get("self") is trainer and "resume_from_checkpoint" in frame.f_locals:
             path = frame.f_locals["resume_from_checkpoint"]
             return path if isinstance(path, str) else None
-        frame = frame.f_back
     return None
 
 

@@ -146,19 +146,23 @@ def render_table(measured: Dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def _table_bounds(readme: str):
+    """(end of the start marker, start of the end marker) in ``readme``, or None without both markers."""
+    start, end = readme.find(TABLE_START), readme.find(TABLE_END)
+    return None if start < 0 or end < start else (start + len(TABLE_START), end)
+
+
 def replace_table(readme: str, table: str) -> str:
     """``readme`` with the text between the support-table markers replaced by ``table``."""
-    start, end = readme.find(TABLE_START), readme.find(TABLE_END)
-    if start < 0 or end < start:
+    bounds = _table_bounds(readme)
+    if bounds is None:
         raise ValueError(f"README has no support table markers: add {TABLE_START!r} and {TABLE_END!r}")
-    return readme[: start + len(TABLE_START)] + "\n" + table + "\n" + readme[end:]
+    return readme[: bounds[0]] + "\n" + table + "\n" + readme[bounds[1]:]
 
 
 def table_in(readme: str) -> Optional[str]:
-    start, end = readme.find(TABLE_START), readme.find(TABLE_END)
-    if start < 0 or end < start:
-        return None
-    return readme[start + len(TABLE_START): end].strip("\n")
+    bounds = _table_bounds(readme)
+    return None if bounds is None else readme[bounds[0]: bounds[1]].strip("\n")
 
 
 def disagreements(stored: dict, fresh: dict) -> List[str]:

@@ -234,8 +234,10 @@ def test_evaluation_and_step_saves_during_training(tmp_path, policy):
     assert steps == sorted(set(steps)) == list(range(1, result.trainer.state.global_step + 1))  # one eval per step
     expected = {"warn": (4, 3 if DRIFTS else 4), "sync": (4, 4), "realign": (3, 3) if DRIFTS else (4, 4)}[policy]
     assert (result.trainer.state.global_step, result.engine.global_steps) == expected
+    from stepsync.checkpoint import load_record
+
     for folder in tmp_path.glob("checkpoint-*"):
-        record = __import__("stepsync.checkpoint", fromlist=["load_record"]).load_record(str(folder))
+        record = load_record(str(folder))
         assert record.trainer_steps == int(folder.name.split("-")[1])
 
 
