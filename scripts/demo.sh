@@ -3,5 +3,5 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=$(bash "$root/scripts/stack.sh" drifting)
-export TORCH_EXTENSIONS_DIR="$venv/torch_extensions" DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
+export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1  # the compiled op goes to ~/.cache/stepsync/deepspeed-VERSION
 exec "$venv/bin/python" -m stepsync demo --compare "$@"

@@ -7,7 +7,7 @@ cd "$root"
 for stack in ${@:-aligned drifting t447 t445 t424}; do
   venv=$(bash scripts/stack.sh "$stack")
   start=$(date +%s)
-  TORCH_EXTENSIONS_DIR="$venv/torch_extensions" DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 \
+  DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 \
     "$venv/bin/python" scripts/support_table.py measure "$stack" > "$venv/support.log" 2>&1 \
     || { tail -40 "$venv/support.log" >&2; exit 1; }
   echo "measured $stack in $(( $(date +%s) - start )) s"

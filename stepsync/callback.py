@@ -13,7 +13,8 @@ from . import engine as engine_adapter
 from .choices import Policy
 from .forecast import Forecast, RunPlan, forecast, resume_position, resume_steps_for
 from .policies import PolicyAction, RealignAction, action_for
-from .report import Cause, DriftEvent, ResumeRecord, StepDriftError, StepSyncConfigError, SyncReport
+from .report import (Cause, DriftEvent, EpochCount, LoadedCheckpoint, ResumeRecord, StepDriftError, StepSyncConfigError,
+                     SyncReport)
 from .versions import Stack, StackBehaviour, behaviour_of
 
 try:  # transformers >= 4.41 saves an ExportableState callback's state() in trainer_state.json
@@ -28,6 +29,8 @@ logger = logging.getLogger("stepsync")
 METRIC_KEYS = ("stepsync/trainer_steps", "stepsync/engine_steps", "stepsync/drift")
 INHERITED_REMEDY = ("resume from a checkpoint whose folder and DeepSpeed tag agree (see `stepsync inspect`), "
                     "or use policy='realign' to adopt the engine's count")
+REUSED_ENGINE_REMEDY = ("the engine kept its count from an earlier train() of this Trainer while the Trainer started "
+                        "again from 0: build a new Trainer for a new run")
 
 
 class RunTracker:
@@ -43,7 +46,8 @@ class RunTracker:
     """
 
     __slots__ = ("callback", "engine", "facts", "behaviour", "n", "g", "is_main", "report", "epoch", "start_epoch",
-                 "skip", "position", "micro_batches", "t_before_epoch", "engine_steps_seen", "since_engine_update")
+                 "skip", "position", "micro_batches", "t_before_epoch", "engine_steps_seen", "since_engine_update",
+                 "plan", "state")
 
     def __init__(self, callback: "StepSyncCallback", engine: Any, behaviour: StackBehaviour,
                  n: Optional[int], g: int, start_epoch: int, skip: int, is_main: bool) -> None:
@@ -63,6 +67,8 @@ class RunTracker:
         self.t_before_epoch = 0
         self.engine_steps_seen = engine.global_steps
         self.since_engine_update = 0
+        self.plan: Optional[RunPlan] = None  # None when the dataloader has no length
+        self.state: Any = None  # the Trainer's TrainerState of this run
 
     def note(self, text: str) -> None:
         self.report.notes.append(text)
@@ -93,10 +99,21 @@ class RunTracker:
         return self.replace_action(action)
 
 
+# Which instance acts when a Trainer holds several: a remedy over 'raise' over 'warn', then the first.
+_PRECEDENCE = {Policy.WARN: 0, Policy.RAISE: 1, Policy.SYNC: 2, Policy.REALIGN: 2, Policy.DROP_LAST: 2}
+
+
+def elect(trainer) -> "StepSyncCallback":
+    """The one StepSyncCallback that acts for ``trainer``."""
+    ours = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, StepSyncCallback)]
+    return max(ours, key=lambda cb: _PRECEDENCE[cb.policy])
+
+
 def _guarded(hook):
     """Run a hook; an internal failure switches stepsync off for the run instead of killing it."""
 
-    starts_a_run = hook.__name__ in ("on_init_end", "on_train_begin")
+    # These run without an active run: they start one, or record that training ended.
+    starts_a_run = hook.__name__ in ("on_init_end", "on_train_begin", "on_train_end")
 
     @functools.wraps(hook)
     def wrapper(self: "StepSyncCallback", args, state, control, **kwargs):
@@ -145,30 +162,59 @@ class StepSyncCallback(*_CALLBACK_BASES):
         print(trainer.callback_handler.callbacks[-1].report.drift)
     """
 
+    def __new__(cls, *args, **kwargs):
+        # With restore_callback_states_from_checkpoint=True the Trainer rebuilds every stateful callback from
+        # the checkpoint (`type(callback)(**saved_args)`) and drops the user's instance. Hand it the user's
+        # instance instead, so that the object the user holds keeps the report.
+        restoring = engine_adapter.callback_being_restored(cls)
+        if restoring is not None:
+            restoring._restored_with = kwargs
+            return restoring
+        return super().__new__(cls)
+
     def __init__(self, policy: Union[str, Policy] = Policy.WARN, console: Any = None) -> None:
+        if self.__dict__.pop("_restored_with", None) is not None:
+            return  # the Trainer is restoring this very instance: keep the user's choices
         self.policy = Policy.parse(policy)
         if console is not None and console is not False and not hasattr(console, "print"):
             raise ValueError(f"console must be a rich.console.Console, None or False, got {type(console).__name__}")
         self._console_choice = console
-        self.report = SyncReport(self.policy)
+        self._report = SyncReport(self.policy)
         self._action = action_for(self.policy)
         self._run: Optional[RunTracker] = None
-        self._init_notes: list = []
+        self._leader: Optional["StepSyncCallback"] = None
+
+    @property
+    def report(self) -> SyncReport:
+        """What stepsync saw in the last run (:class:`stepsync.SyncReport`); the acting instance's report when
+        another ``StepSyncCallback`` of the same Trainer acts."""
+        return self._leader.report if self._leader is not None else self._report
+
+    @report.setter
+    def report(self, value: SyncReport) -> None:
+        self._report = value
 
     # ----------------------------------------------------------------- hooks
 
     @_guarded
     def on_init_end(self, args, state, control, **kwargs):
-        self._action.init_end(args, self._init_notes.append)
+        trainer = engine_adapter.find_trainer(self)
+        if trainer is not None:  # before the progress bar and the reporters read the plan at on_train_begin
+            self._run_before_reporters(trainer)
 
     @_guarded
     def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
         self._run = None
-        self.report = SyncReport(self.policy, notes=list(self._init_notes))
+        self._leader = None
+        self.report = SyncReport(self.policy)
         self._action = action_for(self.policy)
+        checkpoint.keep_a_place_in(state, type(self).__name__, self.state)
         trainer = engine_adapter.find_trainer(self)
         if trainer is None:
             return self._deactivate("could not find the Trainer that runs this callback", logging.WARNING, state)
+        leader = elect(trainer)
+        if leader is not self:
+            return self._follow(leader, state)
         if not engine_adapter.uses_deepspeed(trainer, args):
             return self._deactivate("the Trainer does not use DeepSpeed: nothing to check", logging.INFO, state)
         engine = engine_adapter.find_engine(trainer)
@@ -202,6 +248,9 @@ class StepSyncCallback(*_CALLBACK_BASES):
         run.engine_steps_seen = run.engine.global_steps
         self._action.at_epoch_end(run, args, state, control)
         self._check(state, "epoch_end")
+        first = run.skip if run.epoch == run.start_epoch else 0
+        self.report.epochs.append(EpochCount(run.epoch + 1, run.position - first, state.global_step,
+                                             run.engine_steps_seen))
         self._compare_with_forecast(state)
 
     @_guarded
@@ -231,7 +280,7 @@ class StepSyncCallback(*_CALLBACK_BASES):
     def state(self) -> dict:
         """``ExportableState`` (transformers >= 4.41): the record the Trainer saves in ``trainer_state.json``."""
         try:
-            record = self._record()
+            record = (self._leader or self)._record()
         except Exception:  # never break the Trainer's save
             logger.debug("stepsync: could not build the resume record", exc_info=True)
             record = None
@@ -241,10 +290,22 @@ class StepSyncCallback(*_CALLBACK_BASES):
     @_guarded
     def on_train_end(self, args, state, control, **kwargs):
         run = self._run
+        if self._leader is None:
+            self.report.finished = True
+        if run is None:
+            return
         self._action.end(run)
-        self._read_counts(state)
+        # The counts of the training that happened: with load_best_model_at_end the Trainer has already
+        # loaded the best checkpoint into the engine, which took that checkpoint's count back.
+        self.report.trainer_steps = state.global_step
+        self.report.engine_steps = run.engine_steps_seen
         self.report.unapplied_micro_batches = run.since_engine_update
-        self.report.finished = True
+        engine_now = run.engine.global_steps
+        if engine_now != run.engine_steps_seen:
+            folder = getattr(state, "best_model_checkpoint", None)
+            self.report.loaded_checkpoint = LoadedCheckpoint(folder, checkpoint.step_of(folder), engine_now)
+            run.note(f"after training the Trainer loaded {self.report.loaded_checkpoint}; this report describes "
+                     "the training that happened")
         if run.is_main:
             logger.info("stepsync: Trainer counted %d updates, engine made %d (drift %+d)",
                         self.report.trainer_steps, self.report.engine_steps, self.report.drift)
@@ -274,6 +335,7 @@ class StepSyncCallback(*_CALLBACK_BASES):
         else:
             n = None
         run = self._run = RunTracker(self, engine, behaviour, n, g, start_epoch, skip, state.is_world_process_zero)
+        run.plan, run.state = plan, state
         self.report.active = True
         self.report.planned_steps = state.max_steps
         if n is None:
@@ -293,8 +355,8 @@ class StepSyncCallback(*_CALLBACK_BASES):
         self._action.begin(run)
         if plan is not None:
             self.report.forecast = forecast(plan, behaviour, self.report.policy)
-            if self.report.forecast.planned_steps != state.max_steps:
-                run.note(f"the Trainer planned max_steps={state.max_steps}, the forecast "
+            if self.report.forecast.planned_steps != self.report.planned_steps:
+                run.note(f"the Trainer planned max_steps={self.report.planned_steps}, the forecast "
                          f"{self.report.forecast.planned_steps}: the forecast may be off for this release")
             if run.is_main:
                 logger.info("stepsync forecast: %s", self.report.forecast.verdict())
@@ -391,7 +453,7 @@ class StepSyncCallback(*_CALLBACK_BASES):
             engine_steps=run.engine_steps_seen,
             previous_drift=self._last_drift,
             cause=self._cause(where, drift),
-            remedy=INHERITED_REMEDY if where == "train_begin" else run.behaviour.remedy,
+            remedy=self._inherited_remedy(state) if where == "train_begin" else run.behaviour.remedy,
             where=where,
         )
         self._last_drift = drift
@@ -400,6 +462,10 @@ class StepSyncCallback(*_CALLBACK_BASES):
             logger.warning("stepsync: %s", event.message())
             self._show("drift_panel", event)
         self._action.on_drift(event)
+
+    @staticmethod
+    def _inherited_remedy(state) -> str:
+        return REUSED_ENGINE_REMEDY if state.global_step == 0 else INHERITED_REMEDY
 
     def _cause(self, where: str, drift: int) -> Cause:
         run = self._run
@@ -430,7 +496,9 @@ class StepSyncCallback(*_CALLBACK_BASES):
         self.report.engine_steps = self._run.engine.global_steps
 
     def _metrics(self, state) -> dict:
-        engine_steps = self._run.engine.global_steps
+        # The count after the last micro-batch: the final log record comes after load_best_model_at_end
+        # has taken the engine back to the best checkpoint's count.
+        engine_steps = self._run.engine_steps_seen
         return {METRIC_KEYS[0]: state.global_step, METRIC_KEYS[1]: engine_steps,
                 METRIC_KEYS[2]: state.global_step - engine_steps}
 
@@ -448,6 +516,15 @@ class StepSyncCallback(*_CALLBACK_BASES):
         flow = [i for i, cb in enumerate(others) if type(cb).__name__ == "DefaultFlowCallback"]
         at = flow[0] + 1 if flow else 0
         handler.callbacks = others[:at] + [self] + others[at:]
+
+    def _follow(self, leader: "StepSyncCallback", state) -> None:
+        """Another instance acts for this Trainer: stay silent, and share its report."""
+        self._leader = leader
+        if state.is_world_process_zero:
+            level = logging.WARNING if self.policy is not leader.policy else logging.INFO
+            logger.log(level, "stepsync: this Trainer has two StepSyncCallbacks; the one with policy '%s' acts and "
+                       "this one (policy '%s') stays silent; both give the same report", leader.policy.value,
+                       self.policy.value)
 
     def _deactivate(self, reason: str, level: int, state) -> None:
         self.report.active = False
@@ -467,11 +544,15 @@ class StepSyncCallback(*_CALLBACK_BASES):
         self.report.inactive_reason = reason
         outcome = "policy 'raise' stops the run" if self.policy is Policy.RAISE else "training goes on"
         logger.error("stepsync switched itself off for this run; %s. %s", outcome, reason, exc_info=True)
-        if run is not None:
-            try:
-                self._action.end(run)
-            except Exception:  # the engine is already broken; nothing more to restore
-                logger.debug("stepsync: could not restore the engine", exc_info=True)
+        if run is None:
+            return
+        planned = self.report.planned_steps
+        if run.state is not None and planned is not None and run.state.max_steps < planned:
+            run.state.max_steps = planned  # a lowered plan would now end the run early
+        try:
+            self._action.end(run)
+        except Exception:  # the engine is already broken; nothing more to restore
+            logger.debug("stepsync: could not restore the engine", exc_info=True)
 
     def _show(self, view: str, data: Any) -> None:
         if self._console_choice is False:

@@ -16,12 +16,22 @@ TRAINER_STATE = "trainer_state.json"
 CALLBACK_NAME = "StepSyncCallback"
 
 
-def record_in_trainer_state(trainer_state: dict) -> Optional[dict]:
+def record_in_trainer_state(trainer_state: dict, name: str = CALLBACK_NAME) -> Optional[dict]:
     """The raw record inside a loaded ``trainer_state.json`` (or ``TrainerState.stateful_callbacks``)."""
-    stored = (trainer_state or {}).get(CALLBACK_NAME)
-    if isinstance(stored, list):  # the Trainer stores a list when a callback class appears twice
-        stored = stored[0] if stored else None
-    return (stored.get("attributes") or {}).get("saved_record") if isinstance(stored, dict) else None
+    stored = (trainer_state or {}).get(name)
+    # With two instances the Trainer keeps a list and appends at every save: the newest record is the last one.
+    entries = stored if isinstance(stored, list) else [stored]
+    records = [(entry.get("attributes") or {}).get("saved_record") for entry in entries if isinstance(entry, dict)]
+    return next((record for record in reversed(records) if record is not None), None)
+
+
+def keep_a_place_in(state, name: str, exported) -> None:
+    """Give callback ``name`` an entry in ``state.stateful_callbacks`` when the state was loaded from a
+    checkpoint written without it: transformers >= 4.41 indexes that entry at every save (a KeyError
+    otherwise). ``exported`` builds the entry."""
+    stored = getattr(state, "stateful_callbacks", None)
+    if isinstance(stored, dict) and name not in stored:
+        stored[name] = exported()
 
 
 def load_record(folder: str) -> Optional[ResumeRecord]:
@@ -46,6 +56,13 @@ def save_record(folder: str, record: ResumeRecord, stored_by_trainer: bool) -> N
         state = read_json(state_path)
         state["global_step"] = record.resume_steps
         _write_json(state_path, state)
+
+
+def step_of(folder: Optional[str]) -> Optional[int]:
+    """``N`` of a ``.../checkpoint-N`` folder, or None."""
+    name = os.path.basename(os.path.normpath(folder or ""))
+    prefix, _, number = name.rpartition("-")
+    return int(number) if prefix == "checkpoint" and number.isdigit() else None
 
 
 def read_json(path: str, what: str = "file") -> dict:

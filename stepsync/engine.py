@@ -36,6 +36,18 @@ def find_trainer(callback: Any) -> Optional[Any]:
     return None
 
 
+def callback_being_restored(cls: type) -> Optional[Any]:
+    """The instance of ``cls`` that the Trainer's ``_load_callback_state`` is rebuilding right now, or None.
+
+    That method calls ``type(callback)(**saved_args)`` with the old instance in its local ``callback``.
+    """
+    frame = sys._getframe(2)  # our caller is cls.__new__; its caller is the one that called cls(...)
+    if frame is None or frame.f_code.co_name != "_load_callback_state":
+        return None
+    candidate = frame.f_locals.get("callback")
+    return candidate if type(candidate) is cls else None
+
+
 def resume_checkpoint(trainer: Any) -> Optional[str]:
     """The ``resume_from_checkpoint`` path of the training loop now running ``trainer``, or None.
 

@@ -83,6 +83,9 @@ class Forecast:
         planned_steps: the ``max_steps`` the Trainer plans (and the LR schedule is built for).
         epochs: one row per epoch that runs.
         unapplied_micro_batches: micro-batches the engine accumulated but never applied at the end.
+        reachable_steps: under ``realign`` and ``drop_last``, the count the run ends at when that is below
+            ``planned_steps``: stepsync lowers the Trainer's ``max_steps`` to it so the run ends like a normal
+            one (None otherwise).
     """
 
     plan: RunPlan
@@ -91,6 +94,7 @@ class Forecast:
     planned_steps: int
     epochs: List[EpochForecast] = field(default_factory=list)
     unapplied_micro_batches: int = 0
+    reachable_steps: Optional[int] = None
 
     @property
     def trainer_steps(self) -> int:
@@ -224,17 +228,37 @@ def resume_steps_for(epoch: int, skip: int, n: int, g: int, behaviour: StackBeha
 def forecast(plan: RunPlan, behaviour: StackBehaviour, policy: Policy = Policy.WARN) -> Forecast:
     """Predict both counters for ``plan`` on ``behaviour``'s stack under ``policy``."""
     policy = Policy.parse(policy)
+    planned = planned_steps(plan, behaviour)
+    result = _simulate(plan, behaviour, policy, planned, planned)
+    # realign and drop_last lower the Trainer's max_steps to the count they reach, so the run ends (saves,
+    # evaluates, fills its progress bar) at its last update instead of never reaching its plan.
+    made_updates = result.engine_steps > plan.engine_steps_at_start
+    if policy is Policy.REALIGN and made_updates and result.engine_steps < planned and not _engine_follows(
+            policy, behaviour):
+        reachable = result.engine_steps
+        result = _simulate(plan, behaviour, policy, planned, reachable)  # stops at the engine's last update
+        result.reachable_steps = reachable
+    elif policy is Policy.DROP_LAST and plan.trainer_steps_at_start < result.trainer_steps < planned:
+        result.reachable_steps = result.trainer_steps  # its last update already ends the last epoch
+    return result
+
+
+def _engine_follows(policy: Policy, behaviour: StackBehaviour) -> bool:
+    return policy is Policy.SYNC or behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER
+
+
+def _simulate(plan: RunPlan, behaviour: StackBehaviour, policy: Policy, planned: int, target: int) -> Forecast:
+    """The run whose epoch loop is sized by ``planned`` and which stops once its count reaches ``target``."""
     n, g = plan.micro_batches_per_epoch, plan.gradient_accumulation_steps
     rule = behaviour.trainer_rule
-    engine_follows = policy is Policy.SYNC or behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER
-    target = planned_steps(plan, behaviour)
+    engine_follows = _engine_follows(policy, behaviour)
     per_epoch = updates_per_epoch(behaviour, n, g)
-    epochs_to_run = -(-target // per_epoch) if plan.max_steps > 0 else math.ceil(plan.num_train_epochs)
+    epochs_to_run = -(-planned // per_epoch) if plan.max_steps > 0 else math.ceil(plan.num_train_epochs)
     start_epoch, start_position = resume_position(plan, behaviour)
     last_position = (n // g) * g if policy is Policy.DROP_LAST else n
 
     counters = _Counters(plan.trainer_steps_at_start, plan.engine_steps_at_start)
-    result = Forecast(plan, behaviour, policy, target)
+    result = Forecast(plan, behaviour, policy, planned)
     since_trainer_boundary = 0  # micro-batches after the Trainer's last update (unapplied when the engine follows)
     for epoch in range(start_epoch, epochs_to_run):
         first = start_position if epoch == start_epoch else 0

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from . import rules
 from .choices import Policy
 from .engine import BoundaryOverride
+from .forecast import forecast
 from .report import StepDriftError, StepSyncConfigError
 from .versions import EngineBoundary
 
@@ -22,9 +23,6 @@ class PolicyAction:
 
     policy = Policy.WARN
     acts_per_micro_batch = False  # True when before/after_micro_batch do something
-
-    def init_end(self, args, note) -> None:
-        """Before the dataloader exists (only when the callback was passed to the Trainer)."""
 
     def begin(self, run: "RunTracker") -> None:
         """At ``on_train_begin``, after the forecast."""
@@ -47,6 +45,22 @@ class PolicyAction:
     def last_position(self, run: "RunTracker") -> int:
         """The position after which the epoch ends (``run.n`` unless the policy ends it earlier)."""
         return run.n
+
+
+def lower_the_plan(run: "RunTracker", policy: Policy, reaching: str) -> None:
+    """Set the Trainer's ``max_steps`` to the count ``policy`` ends at, when that is below the plan.
+
+    The Trainer's end of training (last save and evaluation, a full progress bar) waits for
+    ``global_step >= max_steps``; a count that stops short would end the run without them.
+    """
+    if run.plan is None:
+        return
+    reachable = forecast(run.plan, run.behaviour, policy).reachable_steps
+    if reachable is not None:
+        run.note(f"policy '{policy.value}': {reaching} {reachable} of the {run.state.max_steps} updates the Trainer "
+                 f"planned; its max_steps is lowered to {reachable} so that the run ends (last checkpoint, "
+                 "evaluation, progress bar) at its last update")
+        run.state.max_steps = reachable
 
 
 class WarnAction(PolicyAction):
@@ -73,6 +87,12 @@ class RealignAction(PolicyAction):
 
     def begin(self, run: "RunTracker") -> None:
         self.engine_at_last_step_end = run.engine_steps_seen
+        if run.behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER:
+            if not run.report.inherited_drift:
+                run.note("policy 'realign' does nothing here: this accelerate already makes the engine update where "
+                         "the Trainer counts (accelerate >= 1.8.0); it would only correct a drift from a checkpoint")
+            return
+        lower_the_plan(run, self.policy, "the engine can make")
 
     def after_micro_batch(self, run, trainer_updated, engine_updated, args, state, control):
         if not trainer_updated:
@@ -152,11 +172,6 @@ class DropLastAction(PolicyAction):
     def __init__(self) -> None:
         self.last_full_window = None
 
-    def init_end(self, args, note) -> None:
-        if not getattr(args, "dataloader_drop_last", False):
-            args.dataloader_drop_last = True
-            note("policy 'drop_last' set TrainingArguments.dataloader_drop_last=True (a short last batch is dropped)")
-
     def begin(self, run: "RunTracker") -> None:
         if run.n is None:
             run.note("policy 'drop_last' needs len(train_dataloader); without it no window is dropped")
@@ -171,6 +186,7 @@ class DropLastAction(PolicyAction):
             run.replace_action(WatchOnly(Policy.DROP_LAST))
         else:
             self.last_full_window = (run.n // run.g) * run.g
+            lower_the_plan(run, self.policy, "whole windows give")
 
     def last_position(self, run: "RunTracker") -> int:
         return self.last_full_window

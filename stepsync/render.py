@@ -78,7 +78,8 @@ def summary_view(report: SyncReport) -> Panel:
     if report.planned_steps is not None:
         finished = report.schedule_finished
         lines.append(f"\nschedule: the Trainer planned {report.planned_steps} updates, the engine made "
-                     f"{report.engine_steps}: " + ("finished" if finished else "NOT finished"),
+                     f"{report.engine_steps}: " + ("finished" if finished else
+                                                   f"NOT finished ({report.missed_updates} not made)"),
                      style=None if finished else "yellow")
     if report.dropped_micro_batches:
         total = sum(report.dropped_micro_batches.values())

@@ -24,7 +24,7 @@ class StepSyncConfigError(ValueError):
 class Cause(str, Enum):
     """Why the two counters diverged."""
 
-    INHERITED = "inherited from a resumed checkpoint"
+    INHERITED = "inherited when training began (a resumed checkpoint, or an engine reused by a second train())"
     PARTIAL_WINDOW = "partial window at an epoch end"
     TINY_EPOCH = "tiny epoch (N <= G)"
     ENGINE_AHEAD = "engine ahead (its windows cross epoch ends)"
@@ -78,6 +78,41 @@ class DriftEvent:
 
 
 RECORD_FILE = "stepsync_state.json"
+
+
+@dataclass(frozen=True)
+class EpochCount:
+    """Both counts at the end of one epoch of the run, as stepsync read them.
+
+    Attributes:
+        epoch: 1-based epoch.
+        micro_batches: micro-batches this run trained in it (fewer than N after a resume or an early stop).
+        trainer_steps, engine_steps: the two counts at its end.
+    """
+
+    epoch: int
+    micro_batches: int
+    trainer_steps: int
+    engine_steps: int
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """A checkpoint the Trainer loaded into the engine after training (``load_best_model_at_end``).
+
+    Attributes:
+        folder: its path (``state.best_model_checkpoint``).
+        trainer_steps: the Trainer's count it was saved at (from its folder name; None if that has none).
+        engine_steps: the engine's ``global_steps`` once loaded (the count DeepSpeed restored).
+    """
+
+    folder: Optional[str]
+    trainer_steps: Optional[int]
+    engine_steps: int
+
+    def __str__(self) -> str:
+        saved = "?" if self.trainer_steps is None else self.trainer_steps
+        return f"the best checkpoint {self.folder} (Trainer {saved}, engine {self.engine_steps})"
 
 
 @dataclass(frozen=True)
@@ -170,6 +205,10 @@ class SyncReport:
         corrections: times policy ``realign`` set the Trainer's count to the engine's.
         finished: ``on_train_end`` was reached.
         resumed_from: the record of the checkpoint this run resumed from (its events open ``events``).
+        loaded_checkpoint: the checkpoint the Trainer loaded after training (``load_best_model_at_end``), or
+            None. The counts above stay those of the training that happened.
+        epochs: both counts at every epoch end of this run (:class:`EpochCount`): the epochs and
+            micro-batches really trained.
     """
 
     policy: Policy
@@ -188,6 +227,13 @@ class SyncReport:
     corrections: int = 0
     finished: bool = False
     resumed_from: Optional[ResumeRecord] = None
+    loaded_checkpoint: Optional[LoadedCheckpoint] = None
+    epochs: List[EpochCount] = field(default_factory=list)
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches this run trained (every epoch that ended)."""
+        return sum(row.micro_batches for row in self.epochs)
 
     @property
     def drift(self) -> int:
@@ -197,6 +243,11 @@ class SyncReport:
     def new_drift(self) -> int:
         """Drift this run added on top of what it inherited."""
         return self.drift - self.inherited_drift
+
+    @property
+    def missed_updates(self) -> int:
+        """Planned updates the engine did not make (what policy ``realign`` or a drift leaves undone)."""
+        return max((self.planned_steps or 0) - self.engine_steps, 0)
 
     @property
     def schedule_finished(self) -> Optional[bool]:
@@ -223,4 +274,7 @@ class SyncReport:
             "corrections": self.corrections,
             "finished": self.finished,
             "resumed_from": self.resumed_from.to_dict() if self.resumed_from else None,
+            "loaded_checkpoint": asdict(self.loaded_checkpoint) if self.loaded_checkpoint else None,
+            "missed_updates": self.missed_updates,
+            "epochs": [asdict(row) for row in self.epochs],
         }

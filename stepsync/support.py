@@ -33,23 +33,40 @@ class Case:
 
 @dataclass(frozen=True)
 class StackSpec:
+    """One tested stack: its pins, the day its other dependencies are resolved as of, and its cases.
+
+    ``extras`` are packages its tests need beyond the three pins (clients such as TRL and PEFT, the
+    notebook's matplotlib); ``scripts/stack.sh NAME`` builds it.
+    """
+
     name: str
     transformers: str
     accelerate: str
     deepspeed: str
+    as_of: str
     shows: str
     cases: Tuple[Case, ...]
+    extras: Tuple[str, ...] = ()
+
+    def requirements(self) -> List[str]:
+        return [f"transformers=={self.transformers}", f"accelerate=={self.accelerate}",
+                f"deepspeed=={self.deepspeed}", *self.extras, *TEST_REQUIREMENTS]
 
 
-# The same pins as scripts/stack.sh; the first case of each stack is the one shared/UPSTREAM.md measured.
+# What every stack's tests need; resolved as of the stack's day like everything else.
+TEST_REQUIREMENTS = ("rich", "pytest", "hypothesis", "nbclient", "ipykernel", "setuptools<81")
+
+# The first case of each stack is the one shared/UPSTREAM.md measured.
 STACKS = (
-    StackSpec("aligned", "5.24.0", "1.16.0", "0.19.8", "no drift", (Case(3, 2, 2), Case(7, 3, 2))),
-    StackSpec("drifting", "5.24.0", "1.7.0", "0.19.8", "Trainer ahead by up to 1 per epoch",
-              (Case(3, 2, 2), Case(7, 3, 2))),
-    StackSpec("t447", "4.47.1", "1.2.1", "0.16.2", "the seed's table (max_steps)",
+    StackSpec("aligned", "5.24.0", "1.16.0", "0.19.8", "2026-11-30", "no drift", (Case(3, 2, 2), Case(7, 3, 2))),
+    StackSpec("drifting", "5.24.0", "1.7.0", "0.19.8", "2026-11-30", "Trainer ahead by up to 1 per epoch",
+              (Case(3, 2, 2), Case(7, 3, 2)), extras=("matplotlib", "trl==1.14.2", "peft==0.21.2")),
+    StackSpec("t447", "4.47.1", "1.2.1", "0.16.2", "2025-01-15", "the seed's table (max_steps)",
               (Case(3, 2, 2, max_steps=4), Case(7, 3, 2, max_steps=4))),
-    StackSpec("t445", "4.45.2", "0.34.2", "0.15.4", "drift only when N <= G", (Case(3, 4, 2), Case(7, 3, 2))),
-    StackSpec("t424", "4.24.0", "0.15.0", "0.14.5", "engine ahead (negative drift)", (Case(3, 2, 3), Case(7, 3, 2))),
+    StackSpec("t445", "4.45.2", "0.34.2", "0.15.4", "2024-10-15", "drift only when N <= G",
+              (Case(3, 4, 2), Case(7, 3, 2))),
+    StackSpec("t424", "4.24.0", "0.15.0", "0.14.5", "2024-07-15", "engine ahead (negative drift)",
+              (Case(3, 2, 3), Case(7, 3, 2))),
 )
 
 

@@ -80,7 +80,12 @@ class TinyDataset:
 
 @dataclass
 class Recording:
-    """What the real run did, recorded independently of stepsync, one entry per micro-batch."""
+    """What the real run did, recorded independently of stepsync, one entry per micro-batch.
+
+    ``checks`` lists ``(where, Trainer count, engine count)`` at train begin, every step end and every epoch
+    end, as stepsync checks them; ``saves`` both counts at every save; ``logs`` every log record of this
+    run with the engine's count after the last micro-batch before it.
+    """
 
     trainer_steps: List[int] = field(default_factory=list)
     engine_steps: List[int] = field(default_factory=list)
@@ -88,6 +93,10 @@ class Recording:
     engine_updates_at: List[int] = field(default_factory=list)
     epoch_ends: List[tuple] = field(default_factory=list)
     engine_at_start: Optional[int] = 0
+    checks: List[tuple] = field(default_factory=list)
+    saves: List[tuple] = field(default_factory=list)
+    logs: List[tuple] = field(default_factory=list)
+    history_at_start: int = 0  # log records the state held when training began (a resumed checkpoint's)
 
 
 def recorder(trainer_ref: list, recording: Recording):
@@ -100,6 +109,8 @@ def recorder(trainer_ref: list, recording: Recording):
 
         def on_train_begin(self, args, state, control, **kwargs):
             recording.engine_at_start = getattr(self._engine(), "global_steps", None)
+            recording.checks.append(("train_begin", state.global_step, recording.engine_at_start))
+            recording.history_at_start = len(state.log_history)
 
         def _after(self, state, trainer_updated):
             engine = self._engine()
@@ -112,6 +123,7 @@ def recorder(trainer_ref: list, recording: Recording):
                 recording.engine_updates_at.append(index)
             if trainer_updated:
                 recording.trainer_updates_at.append(index)
+                recording.checks.append(("step_end", state.global_step, steps))
             recording.trainer_steps.append(state.global_step)
             recording.engine_steps.append(steps)
 
@@ -122,7 +134,16 @@ def recorder(trainer_ref: list, recording: Recording):
             self._after(state, True)
 
         def on_epoch_end(self, args, state, control, **kwargs):
-            recording.epoch_ends.append((state.global_step, getattr(self._engine(), "global_steps", None)))
+            steps = getattr(self._engine(), "global_steps", None)
+            recording.epoch_ends.append((state.global_step, steps))
+            recording.checks.append(("epoch_end", state.global_step, steps))
+
+        def on_save(self, args, state, control, **kwargs):
+            recording.saves.append((state.global_step, getattr(self._engine(), "global_steps", None)))
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            engine = recording.engine_steps[-1] if recording.engine_steps else recording.engine_at_start
+            recording.logs.append((dict(logs or {}), engine))
 
     return Recorder()
 
@@ -180,9 +201,9 @@ def _accelerate_at_least_1() -> bool:
 
 def run_tiny(output_dir: str, samples: int, gas: int, epochs: float = 2, max_steps: int = -1, stage: int = 0,
              callback: Any = None, deepspeed: bool = True, resume_from_checkpoint: Optional[str] = None,
-             extra_callbacks=(), trainer_class=None, on_trainer=None, eval_samples: int = 0,
+             extra_callbacks=(), trainer_class=None, on_trainer=None, eval_samples: int = 0, model=None,
              **overrides) -> RunResult:
-    """Train the tiny model once; ``callback`` is a StepSyncCallback or None (run without stepsync)."""
+    """Train the tiny model (or ``model``) once; ``callback`` is a StepSyncCallback or None (run without stepsync)."""
     cpu_distributed_env()
     from transformers import Trainer
 
@@ -192,7 +213,7 @@ def run_tiny(output_dir: str, samples: int, gas: int, epochs: float = 2, max_ste
     if callback is not None:
         callbacks.append(callback)
     args = training_args(output_dir, gas, epochs, max_steps, stage, deepspeed, **overrides)
-    trainer = (trainer_class or Trainer)(model=tiny_model(), args=args, train_dataset=TinyDataset(samples),
+    trainer = (trainer_class or Trainer)(model=model if model is not None else tiny_model(), args=args, train_dataset=TinyDataset(samples),
                                          eval_dataset=TinyDataset(eval_samples, seed=2) if eval_samples else None,
                                          callbacks=callbacks)
     trainer_ref.append(trainer)

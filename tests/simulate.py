@@ -20,10 +20,23 @@ def trainer_boundary(rule, s, t, n, g):
 
 
 def simulate(n, g, epochs, max_steps, behaviour, policy, trainer_start=0, engine_start=0):
-    """Returns (rows, trainer_updates_at, engine_updates_at, unapplied); rows like EpochForecast."""
+    """Returns (rows, trainer_updates_at, engine_updates_at, unapplied); rows like EpochForecast.
+
+    Under ``realign`` stepsync lowers the Trainer's ``max_steps`` to the engine's final count when the
+    engine cannot reach the plan: the run is simulated once to learn that count, then again with it.
+    """
     policy = Policy(policy)
     per_epoch = -(-n // g) if behaviour.planned_steps is PlannedSteps.CEIL else max(n // g, 1)
-    target = max_steps if max_steps > 0 else math.ceil(epochs * per_epoch)
+    planned = max_steps if max_steps > 0 else math.ceil(epochs * per_epoch)
+    result = _simulate(n, g, epochs, max_steps, behaviour, policy, trainer_start, engine_start, planned)
+    engine_final = result[0][-1][5] if result[0] else engine_start
+    if policy is Policy.REALIGN and engine_start < engine_final < planned:
+        result = _simulate(n, g, epochs, max_steps, behaviour, policy, trainer_start, engine_start, engine_final)
+    return result
+
+
+def _simulate(n, g, epochs, max_steps, behaviour, policy, trainer_start, engine_start, target):
+    per_epoch = -(-n // g) if behaviour.planned_steps is PlannedSteps.CEIL else max(n // g, 1)
     epochs_to_run = (max_steps // per_epoch + int(max_steps % per_epoch > 0)) if max_steps > 0 else math.ceil(epochs)
     follows = policy is Policy.SYNC or behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER
     trainer_steps, engine_steps = trainer_start, engine_start

@@ -105,6 +105,7 @@ def test_trainer_without_deepspeed_gets_no_report(tmp_path, caplog, monkeypatch)
     assert result.error is None and result.trainer.state.global_step == 4
     assert not report.active and "does not use DeepSpeed" in report.inactive_reason
     assert report.events == [] and report.forecast is None
+    assert report.finished  # training ended, though there was nothing to watch
     assert [r.message for r in caplog.records if r.name == "stepsync"] == [
         "stepsync: the Trainer does not use DeepSpeed: nothing to check"]
     assert all("stepsync/drift" not in record for record in result.trainer.state.log_history)
@@ -174,7 +175,8 @@ def test_drop_last_trains_only_full_windows(tmp_path, n, g, epochs, stage):
     report = result.callback.report
     full = (n // g) * g
     assert result.error is None
-    assert result.trainer.args.dataloader_drop_last is True
+    # Whole micro-batches are kept: the user's dataloader_drop_last (which also drops evaluation batches) stays.
+    assert result.trainer.args.dataloader_drop_last is False
     assert len(result.recording.engine_steps) == epochs * full
     assert (result.trainer.state.global_step, result.engine.global_steps) == (epochs * (n // g),) * 2
     assert report.dropped_micro_batches == {e: n - full for e in range(1, epochs + 1)}
