@@ -6,7 +6,7 @@
 - uv installs everything when it is on PATH (seconds per environment); pip is the fallback.
 - torch is the CPU build 2.13.0: the local wheel that pip's find-links names, else ``pip install torch==2.13.0``
   (letting an installer resolve torch by itself pulls a multi-GB CUDA build).
-- ``AS_OF`` (YYYY-MM-DD) makes uv resolve every unpinned dependency as it stood that day
+- ``AS_OF`` (YYYY-MM-DD) makes uv resolve every dependency that is not pinned with ``==`` as it stood that day
   (``--exclude-newer``), so an old transformers gets the huggingface_hub, tokenizers and numpy of its time.
   torch and what torch needs are exempt: they come from today. pip ignores the date.
 - The environment is reused while a stamp of the pins, AS_OF and the installer matches; otherwise rebuilt.
@@ -87,7 +87,8 @@ def build(path, as_of, requirements, editable=None):
         uv = uv_command()
         _run([*uv, "venv", "-q", "--seed", "-p", sys.executable, path])
         dated = ["--exclude-newer", f"{as_of}T23:59:59Z"]
-        for name in TORCH_DEPENDENCIES:
+        pinned = [r.split("==")[0] for r in requirements if "==" in r]  # a pin is exact: the date is for the rest
+        for name in (*TORCH_DEPENDENCIES, *pinned):
             dated += ["--exclude-newer-package", f"{name}=2100-01-01T00:00:00Z"]
         torch = [wheel] if wheel else []
         if not wheel:  # pip knows where this machine keeps the CPU build

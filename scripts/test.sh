@@ -16,8 +16,7 @@ for stack in ${STEPSYNC_STACKS:-drifting aligned t447 t445 t424}; do
   built=$(date +%s)
   case "$stack" in
     drifting|aligned) tests=(tests) ;;
-    t447) tests=(tests/test_support.py tests/test_forecast.py tests/test_user_runs.py) ;;
-    *) tests=(tests/test_support.py tests/test_forecast.py) ;;
+    *) tests=(tests/test_support.py tests/test_forecast.py tests/test_user_runs.py) ;;
   esac
   # Each DeepSpeed release compiles its CPU op once, into ~/.cache/stepsync/deepspeed-VERSION
   # (stepsync.testing.cpu_distributed_env): stacks with the same release share it, others never do.

@@ -305,3 +305,26 @@ def test_every_remedy_says_once_when_it_does_nothing(tmp_path, policy, n, g, say
         assert len(notes) == 1, callback.report.notes
     else:  # the drifting stack: sync and realign act
         assert notes == []
+
+
+@needs_stack
+@pytest.mark.integration
+@pytest.mark.parametrize("policy", ["warn", "sync", "realign", "drop_last"])
+def test_adopting_stepsync_on_a_resumed_job_keeps_saving(tmp_path, monkeypatch, policy):
+    """The most common way to start: add StepSyncCallback to a job that resumes a checkpoint made without it.
+
+    Runs on every stack (transformers >= 4.41 indexes each stateful callback's entry at every save)."""
+    # transformers < 4.46 loads DeepSpeed checkpoints in a way torch 2.13's weights_only default refuses.
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    first = run(tmp_path / "first", None, save_strategy="steps", save_steps=2)
+    assert first.error is None
+    resumed = run(tmp_path / "run", policy, save_strategy="steps", save_steps=2,
+                  resume_from_checkpoint=str(tmp_path / "first" / "checkpoint-2"))
+    report, rec = resumed.callback.report, resumed.recording
+    assert resumed.error is None, repr(resumed.error)
+    assert report.active and report.finished
+    _, trainer, engine = rec.checks[0]
+    assert report.inherited_drift == trainer - engine
+    assert (report.trainer_steps, report.engine_steps) == (resumed.trainer.state.global_step, rec.engine_steps[-1])
+    saved = [name for name in os.listdir(tmp_path / "run") if name.startswith("checkpoint-")]
+    assert saved and f"checkpoint-{resumed.trainer.state.global_step}" in saved
