@@ -15,9 +15,16 @@ __all__ = [
 ]
 
 
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
 def __getattr__(name):
     if name == "StepSyncCallback":
-        from .callback import StepSyncCallback
-
+        try:
+            from .callback import StepSyncCallback
+        except ImportError as exc:  # the light install (stepsync check / inspect only)
+            raise ImportError(f"StepSyncCallback needs transformers ({exc}): it runs inside your Trainer's "
+                              "environment; pip install 'stepsync[trainer]' to install the training packages") from exc
         return StepSyncCallback
     raise AttributeError(f"module 'stepsync' has no attribute {name!r}")

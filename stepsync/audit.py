@@ -96,12 +96,13 @@ class OutputAudit:
 
 
 def audit_output_dir(path: str) -> OutputAudit:
+    """Audit every ``checkpoint-N`` in a Trainer output directory, or the one ``checkpoint-N`` folder named."""
     if not os.path.exists(path):
         raise AuditInputError(f"{path!r} does not exist: pass the Trainer's output_dir")
     if not os.path.isdir(path):
         raise AuditInputError(f"{path!r} is not a directory: pass the Trainer's output_dir, not a file in it")
     if _CHECKPOINT.match(os.path.basename(os.path.normpath(path))):
-        path = os.path.dirname(os.path.normpath(path)) or "."  # a checkpoint folder: audit its output_dir
+        return OutputAudit(path, [audit_checkpoint(os.path.normpath(path))])  # the checkpoint that was named
     names = sorted((n for n in os.listdir(path) if _CHECKPOINT.match(n)), key=lambda n: int(n.split("-")[1]))
     if not names:
         raise AuditInputError(f"no checkpoint-N folders in {path!r}: pass the output_dir of a Trainer run that saved")

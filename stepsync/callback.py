@@ -12,10 +12,11 @@ from . import checkpoint
 from . import engine as engine_adapter
 from .choices import Policy
 from .forecast import Forecast, RunPlan, forecast, resume_position, resume_steps_for
+from .output import logging_reaches
 from .policies import PolicyAction, RealignAction, action_for
 from .report import (Cause, DriftEvent, EpochCount, LoadedCheckpoint, ResumeRecord, StepDriftError, StepSyncConfigError,
                      SyncReport)
-from .versions import Stack, StackBehaviour, behaviour_of
+from .versions import Stack, StackBehaviour, UnsupportedVersion, behaviour_of
 
 try:  # transformers >= 4.41 saves an ExportableState callback's state() in trainer_state.json
     from transformers.trainer_callback import ExportableState
@@ -221,7 +222,11 @@ class StepSyncCallback(*_CALLBACK_BASES):
         if engine is None:
             return self._deactivate("DeepSpeed is configured but no engine with global_steps was found "
                                     "(trainer.model_wrapped); stepsync cannot check this run", logging.WARNING, state)
-        self._begin(args, state, control, engine, train_dataloader, trainer)
+        try:
+            behaviour = behaviour_of(Stack.installed())
+        except UnsupportedVersion as exc:
+            return self._deactivate(f"{exc}; stepsync cannot check this run", logging.WARNING, state)
+        self._begin(args, state, engine, train_dataloader, trainer, behaviour)
         self._run_before_reporters(trainer)
 
     @_guarded
@@ -309,17 +314,16 @@ class StepSyncCallback(*_CALLBACK_BASES):
         if run.is_main:
             logger.info("stepsync: Trainer counted %d updates, engine made %d (drift %+d)",
                         self.report.trainer_steps, self.report.engine_steps, self.report.drift)
-            self._show("summary_view", self.report)
+            self._show("summary_view", self.report, logging.INFO)
 
     # ----------------------------------------------------------------- logic
 
-    def _begin(self, args, state, control, engine, train_dataloader, trainer) -> None:
+    def _begin(self, args, state, engine, train_dataloader, trainer, behaviour: StackBehaviour) -> None:
         try:
             n = len(train_dataloader)
         except TypeError:
             n = None
         g = args.gradient_accumulation_steps
-        behaviour = behaviour_of(Stack.installed())
         record, record_problem = self._saved_record(state, trainer)
         resume_steps = None
         if record is not None and record.resume_steps == state.global_step != record.trainer_steps:
@@ -330,7 +334,7 @@ class StepSyncCallback(*_CALLBACK_BASES):
         start_epoch, skip = 0, 0
         if n is not None and n > 0:
             plan = RunPlan(n, g, args.num_train_epochs, args.max_steps, state.global_step, engine.global_steps,
-                           resume_steps)
+                           resume_steps, engine_adapter.examples_of(trainer, train_dataloader))
             start_epoch, skip = resume_position(plan, behaviour)
         else:
             n = None
@@ -348,8 +352,8 @@ class StepSyncCallback(*_CALLBACK_BASES):
                      "not at its own boundaries; the forecast assumes managed accumulation and will differ")
         if record_problem:
             run.error(f"{record_problem}; the report covers this run only")
-        if not behaviour.measured:
-            run.note(f"{behaviour.stack} was not measured by stepsync: the forecast is inferred from release notes")
+        for caveat in behaviour.caveats:
+            run.note(caveat)
         self._read_counts(state)
         self.report.inherited_drift = self.report.drift
         self._action.begin(run)
@@ -360,7 +364,12 @@ class StepSyncCallback(*_CALLBACK_BASES):
                          f"{self.report.forecast.planned_steps}: the forecast may be off for this release")
             if run.is_main:
                 logger.info("stepsync forecast: %s", self.report.forecast.verdict())
-                self._show("forecast_view", self.report.forecast)
+                self._show("forecast_view", self.report.forecast, logging.INFO)
+            early = self.report.forecast.ends_early()
+            if early:
+                self.report.notes.append(early)
+                if run.is_main:
+                    logger.warning("stepsync: %s", early)
         self._last_drift = 0
         if record is not None:
             self._continue(record)
@@ -460,7 +469,7 @@ class StepSyncCallback(*_CALLBACK_BASES):
         self.report.events.append(event)
         if run.is_main:
             logger.warning("stepsync: %s", event.message())
-            self._show("drift_panel", event)
+            self._show("drift_panel", event, logging.WARNING)
         self._action.on_drift(event)
 
     @staticmethod
@@ -554,7 +563,8 @@ class StepSyncCallback(*_CALLBACK_BASES):
         except Exception:  # the engine is already broken; nothing more to restore
             logger.debug("stepsync: could not restore the engine", exc_info=True)
 
-    def _show(self, view: str, data: Any) -> None:
+    def _show(self, view: str, data: Any, level: int) -> None:
+        """Draw ``view`` on the console, unless the logger already said the same there (once per destination)."""
         if self._console_choice is False:
             return
         from . import render
@@ -564,4 +574,6 @@ class StepSyncCallback(*_CALLBACK_BASES):
             from rich.console import Console
 
             console = self._console_choice = Console(stderr=True)
+        if logging_reaches(console.file, logger, level):
+            return
         console.print(getattr(render, view)(data))

@@ -1,5 +1,4 @@
-"""``stepsync`` command line: ``check`` (forecast a configuration), ``inspect`` (audit checkpoints) and
-``demo`` (a live CPU run). Exit codes: 0 aligned / consistent, 1 drift / mismatch, 2 bad input."""
+"""The ``stepsync`` command line: check, inspect and demo. Exit codes: 0 aligned, 1 drift, 2 bad input."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +10,16 @@ from .choices import Policy
 
 EXIT_ALIGNED, EXIT_DRIFTS, EXIT_BAD_INPUT = 0, 1, 2
 POLICIES = ", ".join(p.value for p in Policy)
+DESCRIPTION = """Keep transformers' Trainer and the DeepSpeed engine agreeing on the optimizer step count.
+
+commands:
+  check     forecast a configuration without training (light: needs neither torch nor DeepSpeed)
+  inspect   audit the checkpoints of a Trainer output directory (light)
+  demo      a real Trainer + DeepSpeed run on CPU, live (needs the training packages)
+
+exit status: 0 aligned or consistent, 1 drift, an early end or a mismatch, 2 bad input."""
+INSTALL_TRAINING = ("pip install torch==2.13.0 (the CPU build; any torch your project uses), then "
+                    "pip install 'stepsync[trainer]' (or: bash scripts/demo.sh, which builds its own environment)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,12 +56,14 @@ def _policy(text: str) -> Policy:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="stepsync", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = _Parser(prog="stepsync", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
                      epilog="example: stepsync check --samples 3 --gas 2 --epochs 2 --accelerate 1.7.0")
+    parser.add_argument("--version", action="version", version=version_line())
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     check = commands.add_parser(
         "check", help="forecast a configuration without training",
-        description="Forecast both counters per epoch; exit 0 when aligned, 1 when it drifts, 2 on bad input.",
+        description="Forecast both counters per epoch; exit 0 when aligned, 1 when it drifts or the Trainer "
+                    "ends before the epochs asked for, 2 on bad input.",
         epilog="example: stepsync check --samples 3 --batch-size 1 --gas 2 --epochs 2 --accelerate 1.7.0 --json\n"
                "example: stepsync check --samples 1000 --training-args args.json --deepspeed-config ds.json",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,8 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect", help="audit the checkpoints of a Trainer output directory",
         description="Compare every checkpoint-N with DeepSpeed's tag and stepsync's record; exit 1 on any "
                     "mismatch or broken checkpoint, 2 when the path is not an output directory.",
-        epilog="example: stepsync inspect runs/my-job --json", formatter_class=argparse.RawDescriptionHelpFormatter)
-    inspect.add_argument("output_dir", help="the Trainer's output_dir (or one checkpoint-N folder in it)")
+        epilog="example: stepsync inspect runs/my-job --json\nexample: stepsync inspect runs/my-job/checkpoint-800",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    inspect.add_argument("output_dir", help="the Trainer's output_dir (every checkpoint in it), or one checkpoint-N "
+                                            "folder (that checkpoint only)")
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
     demo = commands.add_parser(
         "demo", help="a real Trainer + DeepSpeed run on CPU, live",
@@ -99,7 +112,7 @@ def run_check(args) -> int:
     from .config import deepspeed_config_of, from_training_args, resolve
     from .forecast import RunPlan, forecast
     from .render import forecast_view
-    from .versions import NEWEST, Stack, behaviour_of, installed_version
+    from .versions import MEASURED_TRANSFORMERS, NEWEST, Stack, behaviour_of, installed_version
 
     training, deepspeed = None, None
     if args.training_args:
@@ -112,18 +125,36 @@ def run_check(args) -> int:
              "world_size": args.world_size, "gas": args.gas, "epochs": args.epochs, "max_steps": args.max_steps,
              "drop_last": args.drop_last}
     inputs = resolve(flags, training, deepspeed)
-    stack = Stack(*(getattr(args, p) or installed_version(p) or NEWEST for p in ("transformers", "accelerate", "deepspeed")))
+    notes = list(inputs.notes)
+    if args.training_args and deepspeed is None:
+        notes.append(f"{args.training_args} names no DeepSpeed config: the forecast assumes the run uses DeepSpeed; "
+                     "if it is launched with accelerate's DeepSpeed plugin, pass --deepspeed-config with the "
+                     "plugin's config file")
+    # Where a package is neither given nor installed, say which release the forecast assumes.
+    assumed = {"transformers": MEASURED_TRANSFORMERS[-1], "accelerate": NEWEST, "deepspeed": NEWEST}
+    versions = {}
+    for package in ("transformers", "accelerate", "deepspeed"):
+        versions[package] = getattr(args, package) or installed_version(package)
+        if versions[package] is None:
+            versions[package] = assumed[package]
+            shown = "its newest release" if assumed[package] == NEWEST else assumed[package]
+            notes.append(f"{package} is not installed here and --{package} was not given: the forecast assumes "
+                         f"{shown}; pass --{package} VERSION for the run's machine")
+    stack = Stack(**versions)
     plan = RunPlan(inputs.micro_batches_per_epoch, inputs.gradient_accumulation_steps, inputs.num_train_epochs,
-                   inputs.max_steps)
+                   inputs.max_steps, examples_per_epoch=inputs.samples)
     result = forecast(plan, behaviour_of(stack), args.policy)
+    notes += list(result.behaviour.caveats)
     if args.json:
         data = result.to_dict()
         data["inputs"] = {"micro_batches_per_epoch": inputs.micro_batches_per_epoch, "batch_size": inputs.batch_size,
-                          "world_size": inputs.world_size, "drop_last": inputs.drop_last}
+                          "world_size": inputs.world_size, "world_size_inferred": inputs.world_size_inferred,
+                          "drop_last": inputs.drop_last}
+        data["notes"] = notes
         print(json.dumps(data))
     else:
-        Console().print(forecast_view(result))
-    return EXIT_ALIGNED if result.aligned else EXIT_DRIFTS
+        Console().print(forecast_view(result, notes))
+    return EXIT_ALIGNED if result.aligned and result.ends_early() is None else EXIT_DRIFTS
 
 
 def run_inspect(args) -> int:
@@ -132,12 +163,21 @@ def run_inspect(args) -> int:
     from .audit import audit_output_dir
     from .render import audit_view
 
-    audit = audit_output_dir(args.output_dir)
+    audit = audit_output_dir(args.output_dir)  # one checkpoint-N folder: that checkpoint only
     if args.json:
         print(json.dumps(audit.to_dict()))
     else:
         Console().print(audit_view(audit))
     return EXIT_ALIGNED if audit.ok else EXIT_DRIFTS
+
+
+def version_line() -> str:
+    from ._version import __version__
+    from .versions import installed_version
+
+    found = ", ".join(f"{p} {installed_version(p) or 'not installed'}" for p in ("transformers", "accelerate",
+                                                                                 "deepspeed", "torch"))
+    return f"stepsync {__version__} ({found})"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -147,11 +187,19 @@ def main(argv: Optional[List[str]] = None) -> int:
             return run_check(args)
         if args.command == "inspect":
             return run_inspect(args)
-        from .demo import run_demo
-
+        try:
+            from .demo import run_demo
+        except ImportError as exc:  # the light install: the demo trains, so it needs the training packages
+            print(f"stepsync: error: stepsync demo needs transformers, accelerate, deepspeed and torch ({exc}): "
+                  f"{INSTALL_TRAINING}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         return run_demo(args)
     except ValueError as exc:
         print(f"stepsync: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except ImportError as exc:  # run without installing stepsync's own requirements
+        print(f"stepsync: error: a package stepsync needs is missing ({exc}): pip install . (or pip install "
+              "stepsync)", file=sys.stderr)
         return EXIT_BAD_INPUT
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from .checkpoint import read_json
 
@@ -18,7 +18,11 @@ class ConfigInputError(ValueError):
 
 @dataclass(frozen=True)
 class CheckInputs:
-    """The resolved configuration of one run, per rank."""
+    """The resolved configuration of one run, per rank.
+
+    ``samples`` is the dataset's length when it was given (None with ``--micro-batches-per-epoch``);
+    ``notes`` say what was inferred rather than given.
+    """
 
     micro_batches_per_epoch: int
     gradient_accumulation_steps: int
@@ -27,6 +31,9 @@ class CheckInputs:
     batch_size: int
     world_size: int
     drop_last: bool
+    samples: Optional[int] = None
+    world_size_inferred: bool = False
+    notes: Tuple[str, ...] = ()
 
 
 # TrainingArguments field -> the name stepsync uses
@@ -101,6 +108,7 @@ def resolve(flags: Dict[str, Any], training_args: Optional[Dict[str, Any]] = Non
         raise ConfigInputError("gradient_accumulation_steps is not given: pass --gas, or --training-args / "
                                "--deepspeed-config files that set it")
     world = values.get("world_size")
+    notes = []
     total = (deepspeed or {}).get("train_batch_size", "auto")
     if total != "auto":
         total = _number(total, "train_batch_size", "the DeepSpeed config", 1)
@@ -110,7 +118,12 @@ def resolve(flags: Dict[str, Any], training_args: Optional[Dict[str, Any]] = Non
         if world is not None and total != batch * gas * world:
             raise ConfigInputError(f"train_batch_size={total} in the DeepSpeed config != {batch} x {gas} x "
                                    f"world size {world}: set it to \"auto\" or fix --world-size")
+        if world is None:
+            notes.append(f"world size {total // (batch * gas)} inferred from train_batch_size={total} in the "
+                         f"DeepSpeed config ({batch} per device x {gas} accumulation steps x "
+                         f"{total // (batch * gas)} ranks); pass --world-size to state it")
         world = total // (batch * gas)
+    inferred = bool(notes)
     world = world or 1
     max_steps = values.get("max_steps", -1)
     epochs = values.get("epochs", 1.0)
@@ -118,7 +131,7 @@ def resolve(flags: Dict[str, Any], training_args: Optional[Dict[str, Any]] = Non
         raise ConfigInputError(f"num_train_epochs must be > 0 when max_steps is not set, got {epochs}")
     drop_last = bool(values.get("drop_last", False))
     return CheckInputs(_micro_batches(flags, batch, world, drop_last), gas, epochs, max_steps, batch, world,
-                       drop_last)
+                       drop_last, flags.get("samples"), inferred, tuple(notes))
 
 
 def _micro_batches(flags: Dict[str, Any], batch: int, world: int, drop_last: bool) -> int:

@@ -67,6 +67,14 @@ def set_global_step(trainer: Any, state: Any, value: int) -> None:
     state.global_step = value
 
 
+def examples_of(trainer: Any, dataloader: Any) -> Optional[int]:
+    """The Trainer's own ``num_examples`` for ``dataloader`` (what 4.46-4.51 size windows from), or None."""
+    try:
+        return int(trainer.num_examples(dataloader))
+    except Exception:  # no len(), or a Trainer without the method: the forecast assumes batch size 1
+        return None
+
+
 def is_engine(obj: Any) -> bool:
     """Whether ``obj`` looks like a DeepSpeed engine (it has the counters stepsync reads)."""
     return obj is not None and hasattr(obj, "global_steps") and hasattr(obj, "micro_steps")

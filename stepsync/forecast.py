@@ -27,6 +27,8 @@ class RunPlan:
         engine_steps_at_start: ``engine.global_steps`` when training begins.
         resume_steps: the ``global_step`` the Trainer computed its resume position from, when stepsync
             saved one that differs from ``trainer_steps_at_start`` (see :func:`resume_steps_for`).
+        examples_per_epoch: the Trainer's ``num_examples`` (the dataset's length); transformers 4.46-4.51
+            size an epoch's last window from it. None: assumed N (batch size 1).
     """
 
     micro_batches_per_epoch: int
@@ -36,6 +38,7 @@ class RunPlan:
     trainer_steps_at_start: int = 0
     engine_steps_at_start: int = 0
     resume_steps: Optional[int] = None
+    examples_per_epoch: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.micro_batches_per_epoch, int) or self.micro_batches_per_epoch < 1:
@@ -51,6 +54,10 @@ class RunPlan:
             raise ValueError(f"num_train_epochs must be > 0 when max_steps is not set, got {self.num_train_epochs!r}")
         if self.trainer_steps_at_start < 0 or self.engine_steps_at_start < 0:
             raise ValueError("the step counts at start must be >= 0")
+        if self.examples_per_epoch is not None and (
+                not isinstance(self.examples_per_epoch, int) or self.examples_per_epoch < 1):
+            raise ValueError(f"examples_per_epoch must be a positive integer, got {self.examples_per_epoch!r}: "
+                             "pass len(train_dataset)")
 
 
 @dataclass(frozen=True)
@@ -58,7 +65,8 @@ class EpochForecast:
     """One epoch of a forecast. ``epoch`` is 1-based; step counts are cumulative at the epoch's end.
 
     ``partial_window`` is the size of the Trainer's short last window (0 when N is a multiple of G
-    or the epoch stopped early); ``dropped`` the micro-batches ``drop_last`` leaves untrained.
+    or the epoch stopped early); ``dropped`` the micro-batches ``drop_last`` leaves untrained; ``cut`` the
+    micro-batches the Trainer itself never reaches (transformers 4.46-4.51, see :func:`trainer_epoch_length`).
     """
 
     epoch: int
@@ -69,6 +77,7 @@ class EpochForecast:
     engine_steps: int
     partial_window: int = 0
     dropped: int = 0
+    cut: int = 0
 
     @property
     def drift(self) -> int:
@@ -86,6 +95,8 @@ class Forecast:
         reachable_steps: under ``realign`` and ``drop_last``, the count the run ends at when that is below
             ``planned_steps``: stepsync lowers the Trainer's ``max_steps`` to it so the run ends like a normal
             one (None otherwise).
+        epochs_to_run: the epochs the Trainer's loop runs at most.
+        stopped_by_plan: the run ends because the Trainer's count reached its ``max_steps`` (not the data's end).
     """
 
     plan: RunPlan
@@ -95,6 +106,8 @@ class Forecast:
     epochs: List[EpochForecast] = field(default_factory=list)
     unapplied_micro_batches: int = 0
     reachable_steps: Optional[int] = None
+    epochs_to_run: int = 0
+    stopped_by_plan: bool = False
 
     @property
     def trainer_steps(self) -> int:
@@ -125,15 +138,58 @@ class Forecast:
     def dropped_micro_batches(self) -> int:
         return sum(row.dropped for row in self.epochs)
 
+    def ends_early(self) -> Optional[str]:
+        """Why the run ends before the epochs (or the ``max_steps``) asked for, or None when it does not.
+
+        It happens when the Trainer's plan (``max_steps`` from the epochs) disagrees with how it counts, or
+        when it cuts epochs short; only the Trainer's own plan is judged (``realign`` and ``drop_last`` end
+        where they are meant to and say so).
+        """
+        if self.policy in (Policy.REALIGN, Policy.DROP_LAST) or not self.epochs:
+            return None
+        plan, last = self.plan, self.epochs[-1]
+        counted = [row.trainer_updates for row in self.epochs]
+        per_epoch = updates_per_epoch(self.behaviour, plan.micro_batches_per_epoch, plan.gradient_accumulation_steps)
+        if all(count == per_epoch for count in counted):
+            counts = (f"its count reaches the planned max_steps={self.planned_steps} before the data of the epoch ends "
+                      "(its windows restart each epoch and the leftover micro-batches spill into the next)")
+        else:
+            counts = (f"it plans {per_epoch} update(s) per epoch ({self.planned_steps} in all) but counts "
+                      f"{_listed(counted)} in epoch(s) {self.epochs[0].epoch} to {last.epoch}")
+        cut = [row.epoch for row in self.epochs if row.cut]
+        cuts = (f"; it also cuts epoch(s) {_listed(cut)} to {self.epochs[0].micro_batches} of "
+                f"{plan.micro_batches_per_epoch} micro-batches ({self.behaviour.stack.transformers} sizes the last "
+                "window from num_examples % G)") if cut else ""
+        if plan.max_steps > 0 or not self.stopped_by_plan:
+            if self.stopped_by_plan or self.trainer_steps >= self.planned_steps:
+                return None
+            return (f"the Trainer will run out of epochs at {self.trainer_steps} update(s), before max_steps="
+                    f"{self.planned_steps}: {counts}{cuts}")
+        requested = math.ceil(plan.num_train_epochs)
+        full_epoch = plan.micro_batches_per_epoch - last.cut
+        start_epoch, start_position = resume_position(plan, self.behaviour)
+        first = start_position if last.epoch - 1 == start_epoch else 0
+        ran_to_end = first + last.micro_batches >= full_epoch
+        if last.epoch == requested and (ran_to_end or plan.num_train_epochs != requested):
+            return None
+        if ran_to_end:
+            where = f"after {last.epoch} of {requested} epochs"
+        else:
+            where = f"inside epoch {last.epoch} of {requested}, after {last.micro_batches} of its {full_epoch} micro-batches"
+        return f"the Trainer will stop {where}: {counts}{cuts}"
+
     def verdict(self) -> str:
-        """One line: aligned, or affected with the reason and the remedy."""
+        """One line: aligned, or affected with the reason and the remedy; then an early end, if any."""
+        early = self.ends_early()
+        tail = f"; and {early}" if early else ""
         if self.aligned:
             inherited = f" (inherited drift {self.inherited_drift:+d} stays)" if self.inherited_drift else ""
-            return f"aligned: both sides count {self.trainer_steps} updates under policy '{self.policy.value}'{inherited}"
+            return (f"aligned: both sides count {self.trainer_steps} updates under policy "
+                    f"'{self.policy.value}'{inherited}{tail}")
         reason = drift_reason(self)
         return (
             f"affected: the Trainer counts {self.trainer_steps} updates, the engine makes {self.engine_steps} "
-            f"(drift {self.drift:+d}); {reason}; {self.behaviour.remedy}"
+            f"(drift {self.drift:+d}); {reason}; {self.behaviour.remedy}{tail}"
         )
 
     def to_dict(self) -> dict:
@@ -149,6 +205,7 @@ class Forecast:
             "micro_batches": self.micro_batches,
             "dropped_micro_batches": self.dropped_micro_batches,
             "unapplied_micro_batches": self.unapplied_micro_batches,
+            "ends_early": self.ends_early(),
             "stack": {
                 "transformers": self.behaviour.stack.transformers,
                 "accelerate": self.behaviour.stack.accelerate,
@@ -156,6 +213,7 @@ class Forecast:
                 "trainer_rule": self.behaviour.trainer_rule.value,
                 "engine_boundary": self.behaviour.engine_boundary.value,
                 "measured": self.behaviour.measured,
+                "caveats": list(self.behaviour.caveats),
             },
             "verdict": self.verdict(),
             "epochs": [
@@ -169,10 +227,16 @@ class Forecast:
                     "drift": row.drift,
                     "partial_window": row.partial_window,
                     "dropped": row.dropped,
+                    "cut": row.cut,
                 }
                 for row in self.epochs
             ],
         }
+
+
+def _listed(values) -> str:
+    values = [str(v) for v in values]
+    return values[0] if len(values) == 1 else ", ".join(values[:-1]) + " and " + values[-1]
 
 
 def drift_reason(forecast: Forecast) -> str:
@@ -199,6 +263,15 @@ class _Counters:
 def updates_per_epoch(behaviour: StackBehaviour, n: int, g: int) -> int:
     """The Trainer's ``num_update_steps_per_epoch`` on this release."""
     return rules.planned_updates_per_epoch(behaviour.planned_steps is PlannedSteps.CEIL, n, g)
+
+
+def trainer_epoch_length(plan: RunPlan, behaviour: StackBehaviour) -> int:
+    """Micro-batches the Trainer runs in a whole epoch: N, except on transformers 4.46-4.51, which split the
+    epoch into N // G + 1 windows, the last one ``num_examples % G`` long (G when that is 0), whatever is left."""
+    n, g = plan.micro_batches_per_epoch, plan.gradient_accumulation_steps
+    if not behaviour.remainder_cut or plan.examples_per_epoch is None:
+        return n
+    return min(n, (n // g) * g + (plan.examples_per_epoch % g or g))
 
 
 def planned_steps(plan: RunPlan, behaviour: StackBehaviour) -> int:
@@ -255,10 +328,11 @@ def _simulate(plan: RunPlan, behaviour: StackBehaviour, policy: Policy, planned:
     per_epoch = updates_per_epoch(behaviour, n, g)
     epochs_to_run = -(-planned // per_epoch) if plan.max_steps > 0 else math.ceil(plan.num_train_epochs)
     start_epoch, start_position = resume_position(plan, behaviour)
-    last_position = (n // g) * g if policy is Policy.DROP_LAST else n
+    length = trainer_epoch_length(plan, behaviour)
+    last_position = min(length, (n // g) * g) if policy is Policy.DROP_LAST else length
 
     counters = _Counters(plan.trainer_steps_at_start, plan.engine_steps_at_start)
-    result = Forecast(plan, behaviour, policy, planned)
+    result = Forecast(plan, behaviour, policy, planned, epochs_to_run=epochs_to_run)
     since_trainer_boundary = 0  # micro-batches after the Trainer's last update (unapplied when the engine follows)
     for epoch in range(start_epoch, epochs_to_run):
         first = start_position if epoch == start_epoch else 0
@@ -288,10 +362,12 @@ def _simulate(plan: RunPlan, behaviour: StackBehaviour, policy: Policy, planned:
                 trainer_steps=counters.trainer_steps,
                 engine_steps=counters.engine_steps,
                 partial_window=n % g if end == n and rule is TrainerRule.EPOCH_END else 0,
-                dropped=n - last_position if policy is Policy.DROP_LAST and not stopped else 0,
+                dropped=length - last_position if policy is Policy.DROP_LAST and not stopped else 0,
+                cut=n - length if not stopped and end == last_position else 0,
             )
         )
         if stopped:
+            result.stopped_by_plan = True
             break
     result.unapplied_micro_batches = since_trainer_boundary if engine_follows else counters.engine_micro % g
     return result

@@ -1,8 +1,13 @@
-"""Rich renderables built from stepsync's data; nothing here computes counts or prints globally."""
+"""Rich renderables built from stepsync's data; nothing here computes counts or prints globally.
+
+Everything fits 80 columns, the width rich gives a pipe or a log file: short two-line headers, columns
+that would stay empty left out, and sentences as wrapping text, never as table cells that rich would cut.
+"""
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, List, Optional, Sequence
 
+from rich import box
 from rich.console import Group
 from rich.panel import Panel
 from rich.table import Table
@@ -16,33 +21,46 @@ def _drift_text(drift: int) -> Text:
     return Text(f"{drift:+d}", style="bold red" if drift else "green")
 
 
+def _table(title: Optional[str], headers: Sequence[str], rows: List[list], justify: str = "right") -> Table:
+    table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), title_justify="left")
+    for header in headers:
+        table.add_column(header, justify=justify, no_wrap=False, overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def _notes(lines: Iterable[str], style: Optional[str] = None) -> List[Text]:
+    return [Text(f"- {line}", style=style) for line in lines]
+
+
 def forecast_table(forecast: Forecast, title: Optional[str] = None) -> Table:
-    """One row per epoch: updates counted by each side, the drift and the partial windows."""
+    """One row per epoch: updates counted by each side, the drift; partial windows, drops and cuts when any."""
     plan = forecast.plan
-    table = Table(
-        title=title or (
-            f"stepsync forecast: N={plan.micro_batches_per_epoch} micro-batches/epoch, "
-            f"G={plan.gradient_accumulation_steps}, policy '{forecast.policy.value}'"
-        ),
-        caption=str(forecast.behaviour.stack),
-    )
-    for name in ("epoch", "micro-batches", "Trainer updates", "engine updates", "Trainer steps", "engine steps",
-                 "drift", "partial window", "dropped"):
-        table.add_column(name, justify="right")
-    for row in forecast.epochs:
-        table.add_row(str(row.epoch), str(row.micro_batches), str(row.trainer_updates), str(row.engine_updates),
-                      str(row.trainer_steps), str(row.engine_steps), _drift_text(row.drift),
-                      str(row.partial_window or ""), str(row.dropped or ""))
+    columns = [("epoch", lambda r: str(r.epoch)), ("micro-\nbatches", lambda r: str(r.micro_batches)),
+               ("Trainer\nupdates", lambda r: str(r.trainer_updates)),
+               ("engine\nupdates", lambda r: str(r.engine_updates)),
+               ("Trainer\nsteps", lambda r: str(r.trainer_steps)), ("engine\nsteps", lambda r: str(r.engine_steps)),
+               ("drift", lambda r: _drift_text(r.drift))]
+    for header, field in (("partial\nwindow", "partial_window"), ("dropped", "dropped"), ("cut", "cut")):
+        if any(getattr(row, field) for row in forecast.epochs):
+            columns.append((header, lambda r, field=field: str(getattr(r, field) or "")))
+    title = title or (f"stepsync forecast: N={plan.micro_batches_per_epoch} micro-batches/epoch, "
+                      f"G={plan.gradient_accumulation_steps}, policy '{forecast.policy.value}'")
+    rows = [[cell(row) for _, cell in columns] for row in forecast.epochs]
+    table = _table(title, [header for header, _ in columns], rows)
+    table.caption = str(forecast.behaviour.stack)
     return table
 
 
 def verdict_text(forecast: Forecast) -> Text:
-    verdict = forecast.verdict()
-    return Text(verdict, style="green" if forecast.aligned else "bold yellow")
+    troubled = not forecast.aligned or forecast.ends_early() is not None
+    return Text(forecast.verdict(), style="bold yellow" if troubled else "green")
 
 
-def forecast_view(forecast: Forecast) -> Group:
-    return Group(forecast_table(forecast), verdict_text(forecast))
+def forecast_view(forecast: Forecast, notes: Sequence[str] = ()) -> Group:
+    """The table, the verdict, then what the forecast rests on beyond measurement."""
+    return Group(forecast_table(forecast), verdict_text(forecast), *_notes(notes, "dim"))
 
 
 def drift_panel(event: DriftEvent) -> Panel:
@@ -57,13 +75,9 @@ def drift_panel(event: DriftEvent) -> Panel:
 
 
 def events_table(events: Iterable[DriftEvent]) -> Table:
-    table = Table(title="drift events")
-    for name in ("epoch", "micro-batch", "where", "Trainer", "engine", "drift", "cause"):
-        table.add_column(name)
-    for event in events:
-        table.add_row(str(event.epoch), str(event.micro_batch), event.where, str(event.trainer_steps),
-                      str(event.engine_steps), _drift_text(event.drift), event.cause.value)
-    return table
+    rows = [[str(e.epoch), str(e.micro_batch), e.where.replace("_", " "), str(e.trainer_steps), str(e.engine_steps),
+             _drift_text(e.drift), e.cause.name.lower().replace("_", " ")] for e in events]
+    return _table("drift events", ["epoch", "micro-\nbatch", "where", "Trainer", "engine", "drift", "cause"], rows)
 
 
 def summary_view(report: SyncReport) -> Panel:
@@ -74,7 +88,7 @@ def summary_view(report: SyncReport) -> Panel:
     lines.append_text(_drift_text(report.drift))
     lines.append(")")
     if report.inherited_drift:
-        lines.append(f", of which {report.inherited_drift:+d} was inherited from the checkpoint")
+        lines.append(f", of which {report.inherited_drift:+d} was inherited when training began")
     if report.planned_steps is not None:
         finished = report.schedule_finished
         lines.append(f"\nschedule: the Trainer planned {report.planned_steps} updates, the engine made "
@@ -97,20 +111,18 @@ def summary_view(report: SyncReport) -> Panel:
 
 def audit_view(audit) -> Group:
     """``stepsync inspect``: one row per checkpoint, then every message and the verdict."""
-    table = Table(title=f"stepsync inspect: {audit.output_dir}")
-    for name in ("checkpoint", "trainer_state.json", "DeepSpeed latest", "stepsync record", "drift", "status"):
-        table.add_column(name)
+    rows = []
     messages = []
     for item in audit.checkpoints:
         record = item.record
-        table.add_row(
-            item.name,
-            "?" if item.trainer_state_step is None else str(item.trainer_state_step),
-            item.deepspeed_tag or "-",
-            f"{record.trainer_steps}/{record.engine_steps}" if record else "-",
-            _drift_text(item.drift) if item.drift is not None else Text("?"),
-            Text("ok", style="green") if item.ok else Text("MISMATCH" if item.mismatches else "BROKEN", style="bold red"),
-        )
+        status = Text("ok", style="green") if item.ok else Text("MISMATCH" if item.mismatches else "BROKEN",
+                                                                style="bold red")
+        rows.append([item.name, "?" if item.trainer_state_step is None else str(item.trainer_state_step),
+                     item.deepspeed_tag or "-", f"{record.trainer_steps}/{record.engine_steps}" if record else "-",
+                     _drift_text(item.drift) if item.drift is not None else Text("?"), status])
         messages += item.mismatches + item.problems
+    table = _table(f"stepsync inspect: {audit.output_dir}",
+                   ["checkpoint", "trainer_state\nglobal_step", "DeepSpeed\nlatest", "stepsync\nrecord", "drift",
+                    "status"], rows, justify="left")
     verdict = Text(audit.verdict(), style="green" if audit.ok else "bold yellow")
-    return Group(table, *(Text(f"- {m}", style="red") for m in messages), verdict)
+    return Group(table, *_notes(messages, "red"), verdict)

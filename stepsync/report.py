@@ -244,6 +244,30 @@ class SyncReport:
         """Drift this run added on top of what it inherited."""
         return self.drift - self.inherited_drift
 
+    def __str__(self) -> str:
+        """A few readable lines (``print(callback.report)``); ``repr`` keeps every field."""
+        if not self.active and not self.events and not self.finished:
+            return f"stepsync report (policy '{self.policy.value}'): not active{': ' if self.inactive_reason else ''}" \
+                   f"{self.inactive_reason}"
+        lines = [f"stepsync report (policy '{self.policy.value}'): Trainer {self.trainer_steps} updates, engine "
+                 f"{self.engine_steps} (drift {self.drift:+d}"
+                 + (f", {self.inherited_drift:+d} inherited)" if self.inherited_drift else ")")]
+        if self.planned_steps is not None:
+            lines.append(f"schedule: planned {self.planned_steps}, made {self.engine_steps}"
+                         + ("" if self.schedule_finished else f" ({self.missed_updates} not made)"))
+        if self.epochs:
+            lines.append(f"trained: {len(self.epochs)} epoch(s), {self.micro_batches} micro-batch(es)")
+        lines += [f"drift event: {event.message()}" for event in self.events]
+        lines += [f"note: {note}" for note in self.notes]
+        if not self.active and self.inactive_reason:
+            lines.append(f"switched off: {self.inactive_reason}")
+        return "\n".join(lines)
+
+    def __rich__(self):
+        from .render import summary_view  # drawn by the rendering module; the report stays plain data
+
+        return summary_view(self)
+
     @property
     def missed_updates(self) -> int:
         """Planned updates the engine did not make (what policy ``realign`` or a drift leaves undone)."""

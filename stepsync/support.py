@@ -19,16 +19,27 @@ TABLE_END = "<!-- support-table:end -->"
 
 @dataclass(frozen=True)
 class Case:
-    """One run shape: N samples (batch 1, one rank), G, epochs, and ``max_steps`` (-1: from the epochs)."""
+    """One run shape on one rank: ``samples`` in batches of ``batch``, G, epochs, and ``max_steps`` (-1: from the
+    epochs)."""
 
     samples: int
     gas: int
     epochs: int
     max_steps: int = -1
+    batch: int = 1
 
     def label(self) -> str:
         steps = f", max_steps={self.max_steps}" if self.max_steps > 0 else ""
-        return f"N={self.samples}, G={self.gas}, E={self.epochs}{steps}"
+        if self.batch == 1:
+            return f"N={self.samples}, G={self.gas}, E={self.epochs}{steps}"
+        micro = -(-self.samples // self.batch)
+        return f"{self.samples} samples, batch {self.batch} (N={micro}), G={self.gas}, E={self.epochs}{steps}"
+
+    def to_dict(self) -> dict:
+        data = dict(self.__dict__)
+        if self.batch == 1:
+            del data["batch"]  # the stored files of batch-1 cases stay as they were
+        return data
 
 
 @dataclass(frozen=True)
@@ -56,7 +67,10 @@ class StackSpec:
 # What every stack's tests need; resolved as of the stack's day like everything else.
 TEST_REQUIREMENTS = ("rich", "pytest", "hypothesis", "nbclient", "ipykernel", "setuptools<81")
 
-# The first case of each stack is the one shared/UPSTREAM.md measured.
+# The test matrix: each behaviour change the probes found (probes/*.json, stepsync/versions.py), measured on
+# both sides with real DeepSpeed runs. Stacks sharing a DeepSpeed release share its compiled op. The first
+# case of the five original stacks is the one shared/UPSTREAM.md measured. transformers 4.57 and 5.0 fill
+# DeepSpeed's warmup_num_steps with 0, which DeepSpeed 0.19.5 and later refuse: they get 0.18.4 (January 2026).
 STACKS = (
     StackSpec("aligned", "5.24.0", "1.16.0", "0.19.8", "2026-11-30", "no drift", (Case(3, 2, 2), Case(7, 3, 2))),
     StackSpec("drifting", "5.24.0", "1.7.0", "0.19.8", "2026-11-30", "Trainer ahead by up to 1 per epoch",
@@ -67,6 +81,22 @@ STACKS = (
               (Case(3, 4, 2), Case(7, 3, 2))),
     StackSpec("t424", "4.24.0", "0.15.0", "0.14.5", "2024-07-15", "engine ahead (negative drift)",
               (Case(3, 2, 3), Case(7, 3, 2))),
+    StackSpec("t427", "4.27.0", "0.18.0", "0.14.5", "2024-07-15", "first release counting across epochs",
+              (Case(3, 4, 2), Case(5, 2, 3))),
+    StackSpec("t439", "4.39.3", "0.29.3", "0.14.5", "2024-07-15", "accelerate's wrapper calls engine.step()",
+              (Case(3, 4, 2), Case(5, 2, 3))),
+    StackSpec("t446", "4.46.3", "1.1.1", "0.15.4", "2024-12-15", "epochs cut by num_examples % G",
+              (Case(5, 2, 3), Case(10, 3, 2, batch=2))),
+    StackSpec("t451", "4.51.3", "1.6.0", "0.16.2", "2025-05-15", "last floor plan: stops after 2 of 3 epochs",
+              (Case(5, 2, 3), Case(10, 3, 2, batch=2))),
+    StackSpec("t452", "4.52.0", "1.7.0", "0.16.2", "2025-06-15", "first ceil plan",
+              (Case(5, 2, 3), Case(10, 3, 2, batch=2))),
+    StackSpec("t457", "4.57.6", "1.7.0", "0.18.4", "2026-01-31", "last 4.x, accelerate 1.7",
+              (Case(3, 2, 2), Case(7, 3, 2))),
+    StackSpec("t457f", "4.57.6", "1.8.0", "0.18.4", "2026-01-31", "last 4.x, accelerate 1.8 (the fix)",
+              (Case(3, 2, 2), Case(7, 3, 2))),
+    StackSpec("t500", "5.0.0", "1.7.0", "0.18.4", "2026-02-15", "5.0 with accelerate 1.7",
+              (Case(3, 2, 2), Case(7, 3, 2))),
 )
 
 
@@ -91,9 +121,10 @@ def measure(stack: StackSpec, work_dir: str) -> dict:
         for policy in POLICIES:
             callback = StepSyncCallback("warn" if policy == "none" else policy, console=False)
             run = run_tiny(os.path.join(work_dir, f"{number}-{policy}"), samples=case.samples, gas=case.gas,
-                           epochs=case.epochs, max_steps=case.max_steps, callback=callback)
+                           epochs=case.epochs, max_steps=case.max_steps, callback=callback,
+                           per_device_train_batch_size=case.batch)
             results[policy] = outcome(run)
-        cases.append({"case": case.__dict__, "results": results})
+        cases.append({"case": case.to_dict(), "results": results})
     return {"stack": stack.name, "versions": [stack.transformers, stack.accelerate, stack.deepspeed], "cases": cases}
 
 
@@ -111,6 +142,8 @@ def outcome(run) -> dict:
         # Equal counts can still hide windows that straddle epochs: compare where each side updated.
         "windows_agree": _rises(run.recording.trainer_steps) == _rises(run.recording.engine_steps),
         "fell_back": any("falling back" in note for note in report.notes),
+        "micro_batches": len(run.recording.engine_steps),
+        "forecast_ends_early": None if forecast is None else forecast.ends_early() is not None,
     }
 
 
@@ -134,16 +167,19 @@ CAUSE_WORDS = {"PARTIAL_WINDOW": "partial window", "TINY_EPOCH": "tiny epoch", "
                "INHERITED": "inherited", "UNEXPLAINED": "unexplained"}
 
 
-def _cell(result: dict) -> str:
+def _cell(result: dict, case: Case) -> str:
     if result["error"]:
         return f"refused at start ({result['error'].split(':', 1)[0]})"
     drift = result["trainer_steps"] - result["engine_steps"]
     text = f"{result['trainer_steps']} / {result['engine_steps']}"
+    asked = case.epochs * -(-case.samples // case.batch)  # an epoch-based run asks for every micro-batch
+    short = (f", {result['micro_batches']} of {asked} micro-batches"
+             if case.max_steps <= 0 and result["micro_batches"] < asked else "")
     if not drift:
         windows = "" if result["windows_agree"] else ", windows differ"
-        return f"{text} ✓{windows}" + (" (fell back to `realign`)" if result["fell_back"] else "")
+        return f"{text} ✓{windows}{short}" + (" (fell back to `realign`)" if result["fell_back"] else "")
     causes = ", ".join(dict.fromkeys(CAUSE_WORDS[c] for c in result["causes"]))
-    return f"{text} (drift {drift:+d}: {causes})"
+    return f"{text} (drift {drift:+d}: {causes}){short}"
 
 
 def render_table(measured: Dict[str, dict]) -> str:
@@ -159,7 +195,7 @@ def render_table(measured: Dict[str, dict]) -> str:
             case = Case(**entry["case"])
             results = entry["results"]
             lines.append(f"| {stack.name} | {' / '.join(data['versions'])} | {case.label()} | "
-                         + " | ".join(_cell(results[p]) for p in POLICIES) + " |")
+                         + " | ".join(_cell(results[p], case) for p in POLICIES) + " |")
     return "\n".join(lines)
 
 

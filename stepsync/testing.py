@@ -29,12 +29,30 @@ def cpu_distributed_env() -> None:
     # One compiled-op cache per DeepSpeed release: two releases must never share it.
     cache = os.path.join(os.path.expanduser("~"), ".cache", "stepsync", f"deepspeed-{installed_version('deepspeed')}")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", cache)
+    skip_shared_memory_op()
     if "RANK" in os.environ:
         return
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+
+
+def skip_shared_memory_op() -> None:
+    """Tell DeepSpeed not to build its shared-memory collective for CPU (a minute of g++ per environment).
+
+    It is an optional speed-up of CPU all-reduce: where it cannot be built, DeepSpeed uses gloo, exactly as
+    it does on every platform but Linux. The engine, its counters and its updates are untouched. DeepSpeed
+    keeps the table of buildable ops in ``deepspeed.ops.__compatible_ops__`` for such edits. Set
+    ``STEPSYNC_BUILD_SHM_OP=1`` to build it anyway.
+    """
+    if os.environ.get("STEPSYNC_BUILD_SHM_OP") == "1":
+        return
+    try:
+        import deepspeed.ops
+    except ImportError:  # no DeepSpeed here: nothing to build
+        return
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def deepspeed_config(stage: int = 0) -> dict:
@@ -179,7 +197,7 @@ def training_args(output_dir: str, gas: int, epochs: float = 2, max_steps: int =
         disable_tqdm=True,
         dataloader_num_workers=0,
         seed=0,
-        deepspeed=deepspeed_config(stage) if deepspeed else None,
+        deepspeed=deepspeed if isinstance(deepspeed, dict) else deepspeed_config(stage) if deepspeed else None,
     )
     fields = getattr(TrainingArguments, "__dataclass_fields__", {})
     if "use_cpu" in fields and _accelerate_at_least_1():
@@ -187,16 +205,24 @@ def training_args(output_dir: str, gas: int, epochs: float = 2, max_steps: int =
         # the run is on CPU (then the Trainer sees world_size=1 while DeepSpeed sees every rank); accelerate
         # 0.34 instead drops DeepSpeed for DDP when told so.
         options["use_cpu"] = True
-    if "xpu_backend" in fields and "use_cpu" not in fields:
-        options.update(no_cuda=True, xpu_backend="gloo")  # transformers 4.24: the CPU process group is gloo
+    if "xpu_backend" in fields and not _accelerate_based():
+        # transformers < 4.30 sets up its own process group: gloo on CPU. Later releases leave the device to
+        # accelerate, which drops DeepSpeed for DDP when told no_cuda.
+        options.update(no_cuda=True, xpu_backend="gloo")
     options.update(overrides)
     return TrainingArguments(**options)
+
+
+def _accelerate_based() -> bool:
+    from .versions import installed_version, parse_version
+
+    return parse_version(installed_version("transformers") or "0") >= parse_version("4.30.0")
 
 
 def _accelerate_at_least_1() -> bool:
     from .versions import installed_version, parse_version
 
-    return parse_version(installed_version("accelerate") or "0") >= (1, 0, 0)
+    return parse_version(installed_version("accelerate") or "0") >= parse_version("1.0.0")
 
 
 def run_tiny(output_dir: str, samples: int, gas: int, epochs: float = 2, max_steps: int = -1, stage: int = 0,

@@ -1,30 +1,42 @@
 """What each transformers / accelerate / DeepSpeed release does with accumulation boundaries.
 
-This is the one module that knows release numbers; everything else asks it. Each row names the
-release range it covers and the upstream change it comes from (see ``shared/UPSTREAM.md``).
-Pure Python: it reads installed versions from package metadata and never imports the packages.
+This is the one module that knows release numbers; everything else asks it. Every row is measured:
+the Trainer's rows come from probing every transformers minor release (``scripts/probe.py`` writes
+``probes/results.json``; ``tests/test_versions.py`` fails when these rows and that data disagree), the
+engine's rows from real DeepSpeed runs at each boundary (``probes/engine.json``). Each row names the first
+release measured with its behaviour. Pure Python: reads installed versions from package metadata and
+never imports the packages.
+
+Versions are compared by ``packaging.version``: a dev build or release candidate of the release where a
+behaviour starts (``1.8.0.dev0``, ``1.8.0rc1``) sorts before it and is treated as the release before,
+since the change may not be in it; a post release (``1.8.0.post1``) counts as the release. The forecast
+says so when that decides the verdict.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from enum import Enum
 from importlib import metadata
 from typing import Optional, Tuple
 
-VersionTuple = Tuple[int, int, int]
+from packaging.version import InvalidVersion, Version
 
 NEWEST = "newest"
+OLDEST_SUPPORTED = "4.24.0"
 
 
-def parse_version(text: str) -> VersionTuple:
-    """``"4.47.1"``, ``"1.8.0.dev0"`` or ``"2.13.0+cpu"`` -> ``(4, 47, 1)``; ``"newest"`` sorts last."""
+class UnsupportedVersion(ValueError):
+    """A release older than any stepsync measured; the message names the supported range."""
+
+
+def parse_version(text: str) -> Version:
+    """``"4.47.1"``, ``"1.8.0.dev0"`` or ``"2.13.0+cpu"`` as a ``packaging`` Version; ``"newest"`` sorts last."""
     if text == NEWEST:
-        return (10**6, 0, 0)
-    match = re.match(r"^\s*v?(\d+)(?:\.(\d+))?(?:\.(\d+))?", str(text))
-    if not match:
-        raise ValueError(f"cannot read the version {text!r}: expected numbers such as '4.47.1'")
-    return tuple(int(part or 0) for part in match.groups())  # type: ignore[return-value]
+        return Version("999999")
+    try:
+        return Version(str(text).strip())
+    except InvalidVersion:
+        raise ValueError(f"cannot read the version {text!r}: expected numbers such as '4.47.1'") from None
 
 
 class TrainerRule(str, Enum):
@@ -66,20 +78,31 @@ class ReleaseRow:
         )
 
 
+# The Trainer's rows: measured by probes/trainer_probe.py on every minor release (latest patch) and on every
+# patch of a minor where a behaviour changed. `since` is the first release measured with the behaviour.
 TRAINER_RULES = (
     ReleaseRow("transformers", None, "4.27.0", TrainerRule.EPOCH_WINDOW.value,
-               "window restarts each epoch; leftovers spill into the next epoch's first window"),
-    ReleaseRow("transformers", "4.27.0", "4.47.1", TrainerRule.GLOBAL_COUNTER.value,
-               "transformers PR 22098 (issue 22082): counter across epochs; tiny epochs force an update"),
-    ReleaseRow("transformers", "4.47.1", None, TrainerRule.EPOCH_END.value,
-               "transformers 4.47.1 (issue 31677): every epoch's last partial window is an update"),
+               "the window restarts each epoch; leftover micro-batches spill into the next epoch's first window"),
+    ReleaseRow("transformers", "4.27.0", "4.47.0", TrainerRule.GLOBAL_COUNTER.value,
+               "the window counter runs across epochs (transformers PR 22098); tiny epochs force an update"),
+    ReleaseRow("transformers", "4.47.0", None, TrainerRule.EPOCH_END.value,
+               "every epoch's last partial window is an update (transformers issue 31677)"),
 )
 
 PLANNED_STEPS = (
-    ReleaseRow("transformers", None, "4.48.0", PlannedSteps.FLOOR.value, "max_steps = E * max(N // G, 1)"),
-    ReleaseRow("transformers", "4.48.0", None, PlannedSteps.CEIL.value, "max_steps = E * ceil(N / G)"),
+    ReleaseRow("transformers", None, "4.52.0", PlannedSteps.FLOOR.value, "max_steps = E * max(N // G, 1)"),
+    ReleaseRow("transformers", "4.52.0", None, PlannedSteps.CEIL.value, "max_steps = E * ceil(N / G)"),
 )
 
+REMAINDER_CUT = ReleaseRow(
+    "transformers", "4.46.0", "4.52.0", "remainder_cut",
+    "the epoch's last window is sized `num_examples % G`, not `N % G`: with a batch size above 1 an epoch can "
+    "end before its last micro-batches")
+
+# The engine's rows: measured by probes/engine_probe.py (who calls engine.step(), where the engine updates).
+# transformers 4.30-4.38 cannot run DeepSpeed on a CPU-only machine (they ask for NCCL): the 4.30.0 boundary
+# lies between the measured 4.29.2 (the Trainer calls engine.step()) and 4.39.3 (accelerate's wrapper does),
+# where the sources put it.
 ENGINE_STEPPERS = (
     ReleaseRow("transformers", None, "4.30.0", EngineBoundary.MICRO_COUNTER.value,
                "the Trainer calls engine.step() on every micro-batch itself (before accelerate)"),
@@ -96,10 +119,16 @@ DEEPSPEED_FEATURES = (
                "DeepSpeed 0.19.4 added managed_gradient_accumulation (false disables the boundary override)"),
 )
 
-# Stacks whose counts were measured on real runs; a forecast elsewhere is inferred from the rows above.
-MEASURED_TRANSFORMERS = ("4.24.0", "4.45.2", "4.47.1", "5.24.0")
-REMAINDER_BUG = ReleaseRow("transformers", "4.46.0", "4.49.0", "remainder",
-                           "transformers 4.46-4.48: `num_examples % G` can cut epochs short when G > N")
+# Every transformers release the Trainer probe ran on (probes/results.json): only these are "measured".
+MEASURED_TRANSFORMERS = (
+    "4.24.0", "4.25.1", "4.26.1", "4.27.0", "4.27.1", "4.27.2", "4.27.3", "4.27.4", "4.28.1", "4.29.2", "4.30.2",
+    "4.31.0", "4.32.1", "4.33.3", "4.34.1", "4.35.2", "4.36.2", "4.37.2", "4.38.2", "4.39.3", "4.40.2", "4.41.2",
+    "4.42.4", "4.43.4", "4.44.2", "4.45.2", "4.46.0", "4.46.1", "4.46.2", "4.46.3", "4.47.0", "4.47.1", "4.48.3",
+    "4.49.0", "4.50.3", "4.51.3", "4.52.0", "4.52.1", "4.52.2", "4.52.3", "4.52.4", "4.53.3", "4.54.1", "4.55.4",
+    "4.56.2", "4.57.6", "5.0.0", "5.1.0", "5.2.0", "5.3.0", "5.4.0", "5.5.4", "5.6.2", "5.7.0", "5.8.1", "5.9.0",
+    "5.10.4", "5.11.0", "5.12.1", "5.13.1", "5.14.1", "5.15.1", "5.16.1", "5.17.0", "5.18.0", "5.19.0", "5.20.2",
+    "5.21.1", "5.22.2", "5.23.0", "5.24.0",
+)
 
 
 def _lookup(rows, package: str, version: str) -> Optional[ReleaseRow]:
@@ -145,7 +174,9 @@ class StackBehaviour:
         planned_steps: how ``max_steps`` is derived from epochs.
         engine_reason: the release row behind ``engine_boundary``, in words.
         can_override_boundary: whether ``set_gradient_accumulation_boundary`` exists (policy ``sync``).
-        measured: whether this transformers release was measured on real runs.
+        measured: whether the Trainer probe ran on this transformers release.
+        remainder_cut: whether the Trainer sizes an epoch's last window from ``num_examples % G``.
+        caveats: what the verdict rests on beyond measurement (an inferred release, a pre-release on a boundary).
     """
 
     stack: Stack
@@ -155,20 +186,51 @@ class StackBehaviour:
     engine_reason: str
     can_override_boundary: bool
     measured: bool
-    remainder_bug: bool
+    remainder_cut: bool
+    caveats: Tuple[str, ...] = ()
 
     @property
     def remedy(self) -> str:
         """What a user can do when this stack drifts."""
         if self.engine_boundary is EngineBoundary.FOLLOWS_TRAINER:
             return "use StepSyncCallback(policy='realign') to adopt the engine's count"
-        if parse_version(self.stack.transformers) >= parse_version("4.47.1"):
+        if parse_version(self.stack.transformers) >= parse_version("4.47.0"):
             return "upgrade to accelerate>=1.8.0, or use StepSyncCallback(policy='sync')"
         return "use StepSyncCallback(policy='sync')"
 
 
+def _caveats(stack: Stack) -> Tuple[str, ...]:
+    notes = []
+    version = stack.transformers
+    if version != NEWEST and version not in MEASURED_TRANSFORMERS:
+        newest = MEASURED_TRANSFORMERS[-1]
+        if parse_version(version) > parse_version(newest):
+            notes.append(f"transformers {version} is newer than every probed release ({newest}): its counting is "
+                         "inferred from release notes, not measured")
+        else:
+            notes.append(f"transformers {version} was not probed: its counting is inferred from the probed releases "
+                         "around it, not measured")
+    for package in ("transformers", "accelerate"):
+        version = getattr(stack, package)
+        if version == NEWEST:
+            continue
+        parsed = parse_version(version)
+        rows = TRAINER_RULES + PLANNED_STEPS + (REMAINDER_CUT,) + ENGINE_STEPPERS
+        for row in rows:
+            if row.package == package and row.since and parsed.is_prerelease and parsed.release == Version(
+                    row.since).release:
+                notes.append(f"{package} {version} is a pre-release of {row.since}, where '{row.behaviour}' begins: "
+                             f"treated as the release before {row.since}, since the change may not be in it")
+    return tuple(dict.fromkeys(notes))
+
+
 def behaviour_of(stack: Stack) -> StackBehaviour:
-    """Resolve ``stack`` against the release tables."""
+    """Resolve ``stack`` against the release tables; raises :class:`UnsupportedVersion` below 4.24.0."""
+    if stack.transformers != NEWEST and parse_version(stack.transformers) < parse_version(OLDEST_SUPPORTED):
+        raise UnsupportedVersion(
+            f"transformers {stack.transformers} is older than {OLDEST_SUPPORTED}, the oldest release stepsync "
+            f"measured (supported: {OLDEST_SUPPORTED} to {MEASURED_TRANSFORMERS[-1]}, newer ones inferred): "
+            "upgrade transformers")
     trainer_row = _lookup(TRAINER_RULES, "transformers", stack.transformers)
     planned_row = _lookup(PLANNED_STEPS, "transformers", stack.transformers)
     stepper = _lookup(ENGINE_STEPPERS, "transformers", stack.transformers) or _lookup(
@@ -183,8 +245,7 @@ def behaviour_of(stack: Stack) -> StackBehaviour:
         planned_steps=PlannedSteps(planned_row.behaviour),
         engine_reason=f"{stepper.package} {stepper_version}: {stepper.upstream}",
         can_override_boundary=_lookup(DEEPSPEED_FEATURES, "deepspeed", stack.deepspeed) is not None,
-        measured=stack.transformers == NEWEST
-        or any(stack.transformers == v for v in MEASURED_TRANSFORMERS)
-        or parse_version(stack.transformers) >= parse_version("5.0.0"),
-        remainder_bug=REMAINDER_BUG.covers(stack.transformers),
+        measured=stack.transformers in MEASURED_TRANSFORMERS,
+        remainder_cut=REMAINDER_CUT.covers(stack.transformers),
+        caveats=_caveats(stack),
     )

@@ -19,7 +19,21 @@ def trainer_boundary(rule, s, t, n, g):
     return t % g == 0 or (n <= g and s + 1 == n)
 
 
-def simulate(n, g, epochs, max_steps, behaviour, policy, trainer_start=0, engine_start=0):
+def epoch_length(n, g, examples, behaviour):
+    """The Trainer 4.46-4.51 loop, literally: N // G + 1 windows of G, the last one `examples % G` (or G)
+    long, each taking what the dataloader has left."""
+    if not behaviour.remainder_cut or examples is None:
+        return n
+    remainder = examples % g or g
+    total_updates = n // g + 1
+    taken = 0
+    for update_step in range(total_updates):
+        wanted = g if update_step != total_updates - 1 else remainder
+        taken += min(wanted, n - taken)
+    return taken
+
+
+def simulate(n, g, epochs, max_steps, behaviour, policy, trainer_start=0, engine_start=0, examples=None):
     """Returns (rows, trainer_updates_at, engine_updates_at, unapplied); rows like EpochForecast.
 
     Under ``realign`` stepsync lowers the Trainer's ``max_steps`` to the engine's final count when the
@@ -28,14 +42,16 @@ def simulate(n, g, epochs, max_steps, behaviour, policy, trainer_start=0, engine
     policy = Policy(policy)
     per_epoch = -(-n // g) if behaviour.planned_steps is PlannedSteps.CEIL else max(n // g, 1)
     planned = max_steps if max_steps > 0 else math.ceil(epochs * per_epoch)
-    result = _simulate(n, g, epochs, max_steps, behaviour, policy, trainer_start, engine_start, planned)
+    length = epoch_length(n, g, examples, behaviour)
+    result = _simulate(n, g, epochs, max_steps, behaviour, policy, trainer_start, engine_start, planned, length)
     engine_final = result[0][-1][5] if result[0] else engine_start
     if policy is Policy.REALIGN and engine_start < engine_final < planned:
-        result = _simulate(n, g, epochs, max_steps, behaviour, policy, trainer_start, engine_start, engine_final)
+        result = _simulate(n, g, epochs, max_steps, behaviour, policy, trainer_start, engine_start, engine_final,
+                           length)
     return result
 
 
-def _simulate(n, g, epochs, max_steps, behaviour, policy, trainer_start, engine_start, target):
+def _simulate(n, g, epochs, max_steps, behaviour, policy, trainer_start, engine_start, target, length):
     per_epoch = -(-n // g) if behaviour.planned_steps is PlannedSteps.CEIL else max(n // g, 1)
     epochs_to_run = (max_steps // per_epoch + int(max_steps % per_epoch > 0)) if max_steps > 0 else math.ceil(epochs)
     follows = policy is Policy.SYNC or behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER
@@ -52,9 +68,9 @@ def _simulate(n, g, epochs, max_steps, behaviour, policy, trainer_start, engine_
         first = skip if epoch == start_epoch else 0
         ran = tu = eu = 0
         dropped = 0
-        for s in range(first, n):
+        for s in range(first, length):  # the Trainer never reaches past `length`
             if policy is Policy.DROP_LAST and s >= (n // g) * g:
-                dropped = n - s
+                dropped = length - s
                 break
             t += 1
             global_micro += 1
@@ -88,7 +104,8 @@ def _simulate(n, g, epochs, max_steps, behaviour, policy, trainer_start, engine_
         ran_to_epoch_end = s + 1 == n  # s: the last micro-batch index this epoch ran
         has_partial_window = behaviour.trainer_rule is TrainerRule.EPOCH_END and policy is not Policy.DROP_LAST
         partial = n % g if ran_to_epoch_end and has_partial_window else 0
-        rows.append((epoch + 1, ran, tu, eu, trainer_steps, engine_steps, partial, 0 if stop else dropped))
+        cut = 0 if stop else n - length  # the Trainer never reaches these (transformers 4.46-4.51)
+        rows.append((epoch + 1, ran, tu, eu, trainer_steps, engine_steps, partial, 0 if stop else dropped, cut))
         if stop:
             break
     unapplied = since_trainer if follows else micro % g

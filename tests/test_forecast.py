@@ -15,6 +15,8 @@ STACKS = {
     "drifting": Stack("5.24.0", "1.7.0", "0.19.8"),
     "4.47": Stack("4.47.1", "1.2.1", "0.16.2"),
     "4.47-fixed": Stack("4.47.1", "1.8.1", "0.16.2"),
+    "4.46": Stack("4.46.3", "1.1.1", "0.15.4"),
+    "4.51": Stack("4.51.3", "1.6.0", "0.16.9"),
     "4.45": Stack("4.45.2", "0.34.2", "0.15.4"),
     "4.28": Stack("4.28.1", "0.18.0", "0.14.5"),
     "4.24": Stack("4.24.0", "0.15.0", "0.14.5"),
@@ -24,7 +26,7 @@ STACKS = {
 def rows_of(result):
     return [
         (r.epoch, r.micro_batches, r.trainer_updates, r.engine_updates, r.trainer_steps, r.engine_steps,
-         r.partial_window, r.dropped)
+         r.partial_window, r.dropped, r.cut)
         for r in result.epochs
     ]
 
@@ -68,13 +70,17 @@ def test_seed_case_rows():
     max_steps=st.sampled_from([-1, -1, 1, 2, 3, 5, 8, 13]),
     trainer_start=st.sampled_from([0, 0, 0, 1, 2, 5]),
     engine_offset=st.sampled_from([0, 0, -1, 1]),
+    batch=st.sampled_from([None, 1, 2, 3]),
 )
-def test_forecast_equals_simulation(stack, policy, n, g, epochs, max_steps, trainer_start, engine_offset):
+def test_forecast_equals_simulation(stack, policy, n, g, epochs, max_steps, trainer_start, engine_offset, batch):
     behaviour = behaviour_of(STACKS[stack])
     engine_start = max(trainer_start + engine_offset, 0)
-    plan = RunPlan(n, g, epochs, max_steps, trainer_start, engine_start)
+    # The dataset's length: N full batches, the last one maybe short (what the remainder cut reads).
+    examples = None if batch is None else max(n * batch - (batch - 1 if n > 1 else 0), 1)
+    plan = RunPlan(n, g, epochs, max_steps, trainer_start, engine_start, examples_per_epoch=examples)
     result = forecast(plan, behaviour, policy)
-    rows, _, _, unapplied = simulate(n, g, epochs, max_steps, behaviour, policy, trainer_start, engine_start)
+    rows, _, _, unapplied = simulate(n, g, epochs, max_steps, behaviour, policy, trainer_start, engine_start,
+                                     examples)
     assert rows_of(result) == rows
     assert result.unapplied_micro_batches == unapplied
 
