@@ -51,14 +51,18 @@ assert synced.callback.report.drift == 0"""),
 md("## 4. Both counters against micro-batches"),
 code("""import matplotlib.pyplot as plt
 
-fig, axes = plt.subplots(1, 2, figsize=(6, 2.2), dpi=60, sharey=True)
-for ax, (title, result) in zip(axes, [("without a remedy", watched), ("policy 'sync'", synced)]):
+fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=100, sharey=True)
+for ax, (title, result) in zip(axes, [("without a remedy (policy 'warn')", watched), ("policy 'sync'", synced)]):
     steps = range(1, len(result.recording.trainer_steps) + 1)
-    ax.step(steps, result.recording.trainer_steps, where="post", label="Trainer global_step")
-    ax.step(steps, result.recording.engine_steps, where="post", linestyle="--", label="engine global_steps")
-    ax.set_title(title, fontsize=9)
-    ax.set_xlabel("micro-batch", fontsize=8)
-axes[0].legend(fontsize=7)
+    ax.step(steps, result.recording.trainer_steps, where="post", linewidth=2.5, label="Trainer global_step")
+    ax.step(steps, result.recording.engine_steps, where="post", linewidth=2.5, linestyle="--",
+            label="engine global_steps")
+    ax.set_title(title, fontsize=13)
+    ax.set_xlabel("micro-batch", fontsize=12)
+    ax.set_xticks(list(steps))
+    ax.grid(alpha=0.3)
+axes[0].set_ylabel("optimizer updates counted", fontsize=12)
+axes[0].legend(fontsize=11, loc="upper left")
 plt.tight_layout()
 plt.show()"""),
 ]

@@ -1,18 +1,22 @@
 """stepsync: keep transformers' Trainer and the DeepSpeed engine agreeing on the optimizer step count.
 
-``import stepsync`` is light: it imports neither torch nor deepspeed. ``StepSyncCallback``
-imports transformers when first used.
+``import stepsync`` is light: it imports neither torch, transformers nor deepspeed, and each public name
+is loaded on first use. ``StepSyncCallback`` needs transformers (the training environment); the
+forecast, the report and the command line's ``check`` and ``inspect`` do not.
 """
 from ._version import __version__
-from .choices import Policy
-from .forecast import EpochForecast, Forecast, RunPlan, forecast
-from .report import Cause, DriftEvent, StepDriftError, StepSyncConfigError, SyncReport
-from .versions import Stack, behaviour_of
 
-__all__ = [
-    "Cause", "DriftEvent", "EpochForecast", "Forecast", "Policy", "RunPlan", "Stack", "StepDriftError",
-    "StepSyncCallback", "StepSyncConfigError", "SyncReport", "__version__", "behaviour_of", "forecast",
-]
+# public name -> the module that defines it (loaded on first use)
+_PUBLIC = {
+    "Policy": "choices",
+    "EpochForecast": "forecast", "Forecast": "forecast", "RunPlan": "forecast", "forecast": "forecast",
+    "Cause": "report", "DriftEvent": "report", "StepDriftError": "report", "StepSyncConfigError": "report",
+    "SyncReport": "report",
+    "Stack": "versions", "behaviour_of": "versions",
+    "StepSyncCallback": "callback",
+}
+
+__all__ = sorted([*_PUBLIC, "__version__"])
 
 
 def __dir__():
@@ -20,11 +24,18 @@ def __dir__():
 
 
 def __getattr__(name):
-    if name == "StepSyncCallback":
-        try:
-            from .callback import StepSyncCallback
-        except ImportError as exc:  # the light install (stepsync check / inspect only)
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stepsync' has no attribute {name!r}")
+    from importlib import import_module
+
+    try:
+        value = getattr(import_module(f".{module}", __name__), name)
+    except ImportError as exc:
+        if name == "StepSyncCallback":  # the light install (stepsync check / inspect only)
             raise ImportError(f"StepSyncCallback needs transformers ({exc}): it runs inside your Trainer's "
                               "environment; pip install 'stepsync[trainer]' to install the training packages") from exc
-        return StepSyncCallback
-    raise AttributeError(f"module 'stepsync' has no attribute {name!r}")
+        raise ImportError(f"stepsync needs {exc.name or 'a package'} ({exc}): pip install stepsync (or, in a "
+                          "clone, pip install .)") from exc
+    globals()[name] = value  # found once, then a plain attribute
+    return value

@@ -181,18 +181,20 @@ def version_line() -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         if args.command == "check":
             return run_check(args)
         if args.command == "inspect":
             return run_inspect(args)
-        try:
-            from .demo import run_demo
-        except ImportError as exc:  # the light install: the demo trains, so it needs the training packages
-            print(f"stepsync: error: stepsync demo needs transformers, accelerate, deepspeed and torch ({exc}): "
-                  f"{INSTALL_TRAINING}", file=sys.stderr)
+        from .versions import installed_version
+
+        missing = [p for p in ("torch", "transformers", "accelerate", "deepspeed") if installed_version(p) is None]
+        if missing:  # the light install: the demo trains, so it needs the training packages
+            print(f"stepsync: error: stepsync demo needs {', '.join(missing)}: {INSTALL_TRAINING}", file=sys.stderr)
             return EXIT_BAD_INPUT
+        from .demo import run_demo
+
         return run_demo(args)
     except ValueError as exc:
         print(f"stepsync: error: {exc}", file=sys.stderr)

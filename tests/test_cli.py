@@ -84,7 +84,8 @@ def test_check_reads_training_args_and_deepspeed_config(tmp_path):
                     "--accelerate", "1.7.0", "--json")
     assert proc.returncode == 1, proc.stderr
     data = json.loads(proc.stdout)
-    assert data["inputs"] == {"micro_batches_per_epoch": 3, "batch_size": 2, "world_size": 2, "drop_last": False}
+    assert data["inputs"] == {"micro_batches_per_epoch": 3, "batch_size": 2, "world_size": 2, "drop_last": False,
+                              "world_size_inferred": True}
     assert (data["trainer_steps"], data["engine_steps"]) == (4, 3)
     # A flag overrides the file: --epochs 1 -> 2 Trainer updates, 1 engine update.
     proc = stepsync("check", "--samples", "12", "--training-args", args, "--epochs", "1", "--transformers", "5.24.0",

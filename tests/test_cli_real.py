@@ -113,5 +113,15 @@ def test_demo_compare_shows_the_drift_and_the_fix():
     proc = subprocess.run([sys.executable, "-m", "stepsync", "demo", "--compare"], env=child_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert ("without stepsync: Trainer 4, engine 3" if DRIFTS else "without stepsync: Trainer 4, engine 4") in proc.stdout
-    assert "policy 'sync': Trainer 4, engine 4" in proc.stdout and "compiles an op" in proc.stdout
+    out = proc.stdout
+    flat = " ".join(out.split())
+    # The problem first, with its verdict, then the fix, then one line that compares them.
+    assert out.index("policy 'warn' (only watches") < out.index("policy 'sync' (the remedy)")
+    if DRIFTS:
+        assert "affected: the Trainer counts 4 updates, the engine makes 3" in flat
+        assert "policy 'warn': Trainer 4, engine 3 (drift +1); policy 'sync': Trainer 4, engine 4 (drift +0)" in flat
+    else:  # an aligned stack says so, and how to see the drift
+        assert "This stack does not drift" in flat and "accelerate < 1.8" in flat
+        assert "policy 'warn': Trainer 4, engine 4 (drift +0)" in flat
+    # A pipe gets 80 columns: nothing cut.
+    assert [line for line in out.splitlines() if "…" in line or len(line) > 80] == []
