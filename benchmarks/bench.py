@@ -84,7 +84,7 @@ def measure_hooks(samples: int, gas: int, runs: int, logging_steps: int):
     from transformers import TrainerCallback
 
     from stepsync import StepSyncCallback
-    from stepsync.testing import run_tiny
+    from stepsync.tools.testing import run_tiny
 
     overhead = timer_overhead_ns()
     rows, shares = [], {}
@@ -122,7 +122,7 @@ def measure_warm_hooks(calls: int):
     from transformers import TrainerCallback
 
     from stepsync import StepSyncCallback
-    from stepsync.testing import run_tiny
+    from stepsync.tools.testing import run_tiny
 
     import logging
 
@@ -152,7 +152,7 @@ def measure_warm_hooks(calls: int):
 
 def measure_throughput(samples: int, gas: int, pairs: int):
     from stepsync import StepSyncCallback
-    from stepsync.testing import run_tiny
+    from stepsync.tools.testing import run_tiny
 
     def one(policy):
         clock = loop_clock()
@@ -199,8 +199,8 @@ def measure_cli(repeats: int):
 
 
 def measure_forecast(repeats: int):
-    from stepsync.forecast import RunPlan, forecast
-    from stepsync.versions import Stack, behaviour_of
+    from stepsync.core.forecast import RunPlan, forecast
+    from stepsync.core.versions import Stack, behaviour_of
 
     behaviour = behaviour_of(Stack("5.24.0", "1.7.0", "0.19.8"))
     plan = RunPlan(10**6 + 1, 8, 100)
@@ -223,8 +223,8 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args(argv)
 
-    from stepsync.testing import cpu_distributed_env
-    from stepsync.versions import Stack
+    from stepsync.tools.testing import cpu_distributed_env
+    from stepsync.core.versions import Stack
 
     cpu_distributed_env()
     print(f"stack: {Stack.installed()}; python {sys.version.split()[0]}; {os.cpu_count()} CPU(s); "

@@ -79,6 +79,8 @@ def build(path, as_of, requirements, editable=None):
     tool = installer()
     stamp = os.path.join(path, ".stepsync-env-" + stamp_of(list(requirements) + [editable or ""], as_of, tool))
     if os.path.exists(stamp):
+        if editable:
+            _install_editable(path, editable)
         return path
     shutil.rmtree(path, ignore_errors=True)
     python = os.path.join(path, "bin", "python")
@@ -94,23 +96,36 @@ def build(path, as_of, requirements, editable=None):
         if not wheel:  # pip knows where this machine keeps the CPU build
             _run([python, "-m", "pip", "install", "-q", f"torch=={TORCH}"])
         _run([*uv, "pip", "install", "-q", "-p", python, *dated, *torch, *requirements])
-        if editable:
-            _run([*uv, "pip", "install", "-q", "-p", python, "--no-deps", "--no-build-isolation", "-e", editable])
     else:
         _run([sys.executable, "-m", "venv", path])
         pip = [python, "-m", "pip", "install", "-q"]
         _run(pip + ["--upgrade", "pip", "setuptools<81", "wheel"])
         _run(pip + [wheel or f"torch=={TORCH}"])
         _run(pip + ["--no-build-isolation", *requirements])
-        if editable:
-            _run(pip + ["--no-build-isolation", "--no-deps", "-e", editable])
+    if editable:
+        _install_editable(path, editable)
     open(stamp, "w").close()
     return path
 
 
+def _install_editable(path, project):
+    """Install ``project`` -e, no dependencies; again whenever its setup.cfg changes (entry points, packages)."""
+    with open(os.path.join(project, "setup.cfg"), "rb") as handle:
+        stamp = os.path.join(path, ".stepsync-editable-" + hashlib.sha256(handle.read()).hexdigest()[:16])
+    if os.path.exists(stamp):
+        return
+    python = os.path.join(path, "bin", "python")
+    uv = uv_command()
+    installer_args = [*uv, "pip", "install", "-q", "-p", python] if uv else [python, "-m", "pip", "install", "-q"]
+    _run([*installer_args, "--no-deps", "--no-build-isolation", "-e", project])
+    for old in (n for n in os.listdir(path) if n.startswith(".stepsync-editable-")):
+        os.remove(os.path.join(path, old))
+    open(stamp, "w").close()
+
+
 def stack(name):
     """Build the test stack ``name`` of stepsync/support.py into .stacks/NAME, with stepsync installed -e."""
-    from stepsync import support  # pure Python: no torch, no transformers
+    from stepsync.tools import support  # pure Python: no torch, no transformers
 
     spec = support.spec(name)
     return build(os.path.join(ROOT, ".stacks", name), spec.as_of, spec.requirements(), editable=ROOT)
@@ -121,7 +136,7 @@ def main(argv):
         print(build(argv[1], argv[2], argv[3:]))
         return 0
     if argv == ["stack", "--list"]:
-        from stepsync import support
+        from stepsync.tools import support
 
         print(" ".join(s.name for s in support.STACKS))
         return 0

@@ -19,8 +19,8 @@ counts 4 updates, DeepSpeed makes 3.
 This notebook runs on CPU: a tiny GPT-2 built from a config, the real Trainer, the real DeepSpeed engine.
 The test suite runs it on the drifting stack (`bash scripts/test.sh`)."""),
 md("## 1. The forecast, before any training"),
-code("""from stepsync.forecast import RunPlan, forecast
-from stepsync.versions import Stack, behaviour_of
+code("""from stepsync.core.forecast import RunPlan, forecast
+from stepsync.core.versions import Stack, behaviour_of
 
 stack = Stack.installed()
 predicted = forecast(RunPlan(micro_batches_per_epoch=3, gradient_accumulation_steps=2, num_train_epochs=2),
@@ -31,7 +31,7 @@ print(predicted.verdict())
 md("## 2. A real run that drifts (stepsync only watches: policy `warn`)"),
 code("""import logging, tempfile
 from stepsync import StepSyncCallback
-from stepsync.testing import run_tiny
+from stepsync.tools.testing import run_tiny
 
 logging.getLogger("stepsync").setLevel(logging.ERROR)  # the report below says it all
 watched = run_tiny(tempfile.mkdtemp(), samples=3, gas=2, epochs=2, log_level="error", logging_strategy="no",

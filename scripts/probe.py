@@ -125,7 +125,7 @@ def probe_engines(names):
             out = os.path.join(path, "engine.json")
             env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                        TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
-            env.pop("TORCH_EXTENSIONS_DIR", None)  # one compiled op per DeepSpeed release (stepsync.testing)
+            env.pop("TORCH_EXTENSIONS_DIR", None)  # one compiled op per DeepSpeed release (stepsync.tools.testing)
             done = subprocess.run([os.path.join(path, "bin", "python"), os.path.join(ROOT, "probes", "engine_probe.py"),
                                    out], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                   timeout=900)

@@ -7,7 +7,7 @@ cd "$root"
 for stack in ${@:-$(bash scripts/stack.sh --list)}; do
   venv=$(bash scripts/stack.sh "$stack")
   start=$(date +%s)
-  # The compiled op goes to ~/.cache/stepsync/deepspeed-VERSION (stepsync.testing.cpu_distributed_env).
+  # The compiled op goes to ~/.cache/stepsync/deepspeed-VERSION (stepsync.tools.testing.cpu_distributed_env).
   DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 \
     "$venv/bin/python" scripts/support_table.py measure "$stack" > "$venv/support.log" 2>&1 \
     || { tail -40 "$venv/support.log" >&2; exit 1; }

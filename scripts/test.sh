@@ -19,7 +19,7 @@ for stack in ${STEPSYNC_STACKS:-drifting aligned t447 t445 t424}; do
     *) tests=(tests/test_support.py tests/test_forecast.py tests/test_user_runs.py) ;;
   esac
   # Each DeepSpeed release compiles its CPU op once, into ~/.cache/stepsync/deepspeed-VERSION
-  # (stepsync.testing.cpu_distributed_env): stacks with the same release share it, others never do.
+  # (stepsync.tools.testing.cpu_distributed_env): stacks with the same release share it, others never do.
   export STEPSYNC_STACK="$stack" DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
   unset TORCH_EXTENSIONS_DIR
   echo "=== stack $stack: $("$venv/bin/python" -c 'import importlib.metadata as m; print(*(p + " " + m.version(p) for p in ("transformers","accelerate","deepspeed")), sep=", ")')"

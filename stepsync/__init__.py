@@ -8,12 +8,13 @@ from ._version import __version__
 
 # public name -> the module that defines it (loaded on first use)
 _PUBLIC = {
-    "Policy": "choices",
-    "EpochForecast": "forecast", "Forecast": "forecast", "RunPlan": "forecast", "forecast": "forecast",
-    "Cause": "report", "DriftEvent": "report", "StepDriftError": "report", "StepSyncConfigError": "report",
-    "SyncReport": "report",
-    "Stack": "versions", "behaviour_of": "versions",
-    "StepSyncCallback": "callback",
+    "Policy": "core.choices",
+    "EpochForecast": "core.forecast", "Forecast": "core.forecast", "RunPlan": "core.forecast",
+    "forecast": "core.forecast",
+    "Cause": "core.report", "DriftEvent": "core.report", "StepDriftError": "core.report",
+    "StepSyncConfigError": "core.report", "SyncReport": "core.report",
+    "Stack": "core.versions", "behaviour_of": "core.versions",
+    "StepSyncCallback": "training.callback",
 }
 
 __all__ = sorted([*_PUBLIC, "__version__"])

@@ -1,6 +1,6 @@
 """``python -m stepsync``: the command line (a missing dependency is a message and exit 2, see cli.main)."""
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 sys.exit(main())

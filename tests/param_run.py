@@ -8,7 +8,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from stepsync.testing import final_parameters, run_tiny  # noqa: E402
+from stepsync.tools.testing import final_parameters, run_tiny  # noqa: E402
 
 
 def main(mode: str, out: str) -> None:

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from stepsync.versions import Stack
+from stepsync.core.versions import Stack
 
 STACK = os.environ.get("STEPSYNC_STACK", "")
 INSTALLED = Stack.installed()

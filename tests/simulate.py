@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import math
 
-from stepsync.choices import Policy
-from stepsync.versions import EngineBoundary, PlannedSteps, TrainerRule
+from stepsync.core.choices import Policy
+from stepsync.core.versions import EngineBoundary, PlannedSteps, TrainerRule
 
 
 def trainer_boundary(rule, s, t, n, g):

@@ -55,7 +55,7 @@ def test_bad_input_exits_2_naming_the_fix(args, fix):
 
 
 def test_check_imports_neither_torch_nor_deepspeed():
-    code = ("import sys; from stepsync.cli import main; main(['check','--samples','3','--gas','2','--json']);"
+    code = ("import sys; from stepsync.tools.cli import main; main(['check','--samples','3','--gas','2','--json']);"
             "print('torch' in sys.modules, 'deepspeed' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.stdout.strip().endswith("False False")

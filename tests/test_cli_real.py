@@ -108,7 +108,7 @@ def test_demo_compare_shows_the_drift_and_the_fix():
     import subprocess
     import sys
 
-    from stepsync.testing import child_env
+    from stepsync.tools.testing import child_env
 
     proc = subprocess.run([sys.executable, "-m", "stepsync", "demo", "--compare"], env=child_env(),
                           capture_output=True, text=True, timeout=600)

@@ -1,6 +1,6 @@
 """Real clients nobody here wrote: TRL's SFTTrainer, and a PEFT LoRA model under ZeRO-2, on the real engine.
 
-Each run is checked against the independent recorder (stepsync.testing.recorder). They run where TRL and
+Each run is checked against the independent recorder (stepsync.tools.testing.recorder). They run where TRL and
 PEFT are installed (the drifting stack, scripts/stack.sh).
 """
 import pytest
@@ -44,7 +44,7 @@ def test_trl_sft_trainer(tmp_path, policy):
     from datasets import Dataset
 
     from stepsync import StepSyncCallback
-    from stepsync.testing import Recording, cpu_distributed_env, deepspeed_config, recorder, tiny_model
+    from stepsync.tools.testing import Recording, cpu_distributed_env, deepspeed_config, recorder, tiny_model
 
     cpu_distributed_env()
     tokenizer, words = tiny_tokenizer()
@@ -66,7 +66,7 @@ def test_trl_sft_trainer(tmp_path, policy):
 def test_peft_lora_under_zero_2(tmp_path, policy):
     peft = pytest.importorskip("peft")
     from stepsync import StepSyncCallback
-    from stepsync.testing import run_tiny, tiny_model
+    from stepsync.tools.testing import run_tiny, tiny_model
 
     def lora():
         config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True,

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from simulate import simulate
-from stepsync.choices import Policy
-from stepsync.forecast import RunPlan, forecast
-from stepsync.versions import Stack, behaviour_of
+from stepsync.core.choices import Policy
+from stepsync.core.forecast import RunPlan, forecast
+from stepsync.core.versions import Stack, behaviour_of
 
 STACKS = {
     "aligned": Stack("5.24.0", "1.16.0", "0.19.8"),

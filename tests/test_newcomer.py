@@ -134,7 +134,7 @@ def test_a_report_prints_readably():
     from rich.console import Console
 
     from stepsync import Policy, SyncReport
-    from stepsync.report import Cause, DriftEvent, EpochCount
+    from stepsync.core.report import Cause, DriftEvent, EpochCount
 
     event = DriftEvent(1, 3, 2, 1, 0, Cause.PARTIAL_WINDOW, "use StepSyncCallback(policy='sync')", "step_end")
     report = SyncReport(Policy.WARN, active=True, trainer_steps=4, engine_steps=3, planned_steps=4, events=[event],
@@ -150,7 +150,7 @@ def test_a_report_prints_readably():
 
 def test_logging_and_the_console_say_a_message_once_per_destination():
     """A view is drawn only where no logging handler already writes the same message."""
-    from stepsync.output import logging_reaches
+    from stepsync.display.output import logging_reaches
 
     logger = logging.Logger("stepsync-alone", logging.INFO)  # no parent: nothing configured
     assert logging_reaches(sys.stderr, logger, logging.WARNING)  # Python's last resort prints warnings there

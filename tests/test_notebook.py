@@ -14,7 +14,7 @@ def test_walkthrough_executes(tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("matplotlib", reason="the notebook's plot needs matplotlib (the drifting stack has it)")
-    from stepsync.testing import PROCESS_GROUP_VARS
+    from stepsync.tools.testing import PROCESS_GROUP_VARS
 
     for name in PROCESS_GROUP_VARS:  # the kernel starts its own process group; this process holds the port
         monkeypatch.delenv(name, raising=False)

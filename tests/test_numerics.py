@@ -24,7 +24,7 @@ def train(tmp_path, mode, python=sys.executable):
     import torch
 
     out = tmp_path / f"{mode}-{os.path.basename(os.path.dirname(os.path.dirname(python)))}.pt"
-    from stepsync.testing import child_env
+    from stepsync.tools.testing import child_env
 
     env = child_env()
     if python != sys.executable:  # another stack, maybe another DeepSpeed: it picks its own compiled-op cache

@@ -10,7 +10,7 @@ CASES = [(3, 2, 2, 0), (3, 2, 2, 1), (3, 2, 2, 2), (3, 2, 2, 3), (5, 2, 2, 0), (
 
 def run(tmp_path, n, g, epochs, stage=0, policy="warn", **kwargs):
     from stepsync import StepSyncCallback
-    from stepsync.testing import run_tiny
+    from stepsync.tools.testing import run_tiny
 
     callback = StepSyncCallback(policy, console=False) if policy else None
     return run_tiny(str(tmp_path), samples=n, gas=g, epochs=epochs, stage=stage, callback=callback, **kwargs)
@@ -141,7 +141,7 @@ def test_sync_makes_the_engine_update_where_the_trainer_counts(tmp_path, n, g, e
 def test_sync_runs_the_schedule_to_its_planned_end(tmp_path):
     synced = run(tmp_path / "s", 3, 2, 2, policy="sync")
     watched = run(tmp_path / "w", 3, 2, 2, policy="warn")
-    from stepsync.testing import _last_lr
+    from stepsync.tools.testing import _last_lr
 
     scheduler = synced.engine.lr_scheduler
     assert scheduler.last_batch_iteration + 1 == synced.trainer.state.max_steps == 4
@@ -204,7 +204,7 @@ def test_a_failing_engine_switches_stepsync_off_not_the_run(tmp_path):
 
     holder = {}
     from stepsync import StepSyncCallback
-    from stepsync.testing import run_tiny
+    from stepsync.tools.testing import run_tiny
 
     callback = StepSyncCallback("sync", console=False)
     holder["callback"] = callback

@@ -42,7 +42,7 @@ def inject(monkeypatch, fail, from_epoch=1):
     """Let stepsync find a FaultyEngine; break it at the start of epoch ``from_epoch`` (0-based)."""
     from transformers import TrainerCallback
 
-    import stepsync.engine as adapter
+    import stepsync.training.engine as adapter
 
     holder = {}
     real_find = adapter.find_engine
@@ -117,12 +117,12 @@ def test_under_raise_an_internal_failure_stops_the_run(tmp_path, monkeypatch, ca
 
 @pytest.mark.reliability("fault")
 def test_a_failing_record_write_keeps_the_checkpoint(tmp_path, monkeypatch, caplog):
-    import stepsync.checkpoint
+    import stepsync.training.checkpoint
 
     def broken(*args, **kwargs):
         raise OSError("injected: disk full")
 
-    monkeypatch.setattr(stepsync.checkpoint, "save_record", broken)
+    monkeypatch.setattr(stepsync.training.checkpoint, "save_record", broken)
     with caplog.at_level(logging.INFO, logger="stepsync"):
         result = run(tmp_path, N, G, EPOCHS, policy="sync", save_strategy="steps", save_steps=2)
     assert_finished_intact(result)
@@ -148,7 +148,7 @@ def test_a_failing_metrics_read_keeps_the_log_records(tmp_path, monkeypatch, cap
 
 @pytest.mark.reliability("differs")
 def test_no_engine_with_counters_is_stated_once(tmp_path, monkeypatch, caplog):
-    import stepsync.engine as adapter
+    import stepsync.training.engine as adapter
 
     monkeypatch.setattr(adapter, "find_engine", lambda trainer: None)
     with caplog.at_level(logging.INFO, logger="stepsync"):
@@ -178,7 +178,7 @@ def test_an_engine_without_the_boundary_call_makes_sync_fall_back(tmp_path, monk
 @pytest.mark.reliability("differs")
 @pytest.mark.parametrize("policy", ["warn", "sync"])
 def test_unmanaged_accumulation_is_stated_and_detected(tmp_path, monkeypatch, policy):
-    from stepsync import testing
+    from stepsync.tools import testing
 
     plain = testing.deepspeed_config
     monkeypatch.setattr(testing, "deepspeed_config", lambda stage=0: dict(plain(stage), managed_gradient_accumulation=False))
@@ -203,7 +203,7 @@ def test_unmanaged_accumulation_is_stated_and_detected(tmp_path, monkeypatch, po
 def test_a_dataloader_without_length(tmp_path, monkeypatch, policy):
     import torch
 
-    from stepsync import testing
+    from stepsync.tools import testing
 
     rows = testing.TinyDataset(6)
 
@@ -234,7 +234,7 @@ def test_evaluation_and_step_saves_during_training(tmp_path, policy):
     assert steps == sorted(set(steps)) == list(range(1, result.trainer.state.global_step + 1))  # one eval per step
     expected = {"warn": (4, 3 if DRIFTS else 4), "sync": (4, 4), "realign": (3, 3) if DRIFTS else (4, 4)}[policy]
     assert (result.trainer.state.global_step, result.engine.global_steps) == expected
-    from stepsync.checkpoint import load_record
+    from stepsync.training.checkpoint import load_record
 
     for folder in tmp_path.glob("checkpoint-*"):
         record = load_record(str(folder))
@@ -253,7 +253,7 @@ def test_a_max_steps_run_matches_its_forecast(tmp_path):
 @pytest.mark.reliability("differs")
 @pytest.mark.parametrize("policy", ["warn", "sync"])
 def test_bf16(tmp_path, monkeypatch, policy):
-    from stepsync import testing
+    from stepsync.tools import testing
 
     plain = testing.deepspeed_config
     monkeypatch.setattr(testing, "deepspeed_config", lambda stage=0: dict(plain(stage), bf16={"enabled": "auto"}))

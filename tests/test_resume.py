@@ -58,7 +58,7 @@ def test_drop_last_saves_the_count_the_trainer_resumes_from(tmp_path):
     one window) keeps global_step 3 in stepsync's record and 3 * 1 + 1 = 4 in trainer_state.json."""
     run(tmp_path, N, G, EPOCHS, policy="drop_last", save_strategy="steps", save_steps=3)
     state = json.loads((tmp_path / "checkpoint-3" / "trainer_state.json").read_text())
-    from stepsync.checkpoint import load_record
+    from stepsync.training.checkpoint import load_record
 
     record = load_record(str(tmp_path / "checkpoint-3"))
     assert (state["global_step"], record.trainer_steps, record.resume_steps) == (4, 3, 4)

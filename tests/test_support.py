@@ -7,7 +7,7 @@ import os
 import pytest
 
 from real import STACK, needs_stack
-from stepsync import support
+from stepsync.tools import support
 
 HERE = os.path.dirname(__file__)
 STORE = os.path.join(HERE, "support")

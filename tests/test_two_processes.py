@@ -17,7 +17,7 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("ranks")
-    from stepsync.testing import child_env
+    from stepsync.tools.testing import child_env
 
     env = child_env(dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1"))
     with socket.socket() as sock:  # torchrun's --master_port 0 hangs the ranks: pick a free port

@@ -3,7 +3,7 @@
 The cases are chosen pairwise over the settings that touch counting and checkpoints: every pair of
 settings appears in some case. Each case runs the real Trainer and the real DeepSpeed engine on CPU, on
 the stack the suite runs on (its share of the cases), and every run is checked against an independent
-recorder (stepsync.testing.recorder), never against stepsync's own numbers.
+recorder (stepsync.tools.testing.recorder), never against stepsync's own numbers.
 """
 import os
 
@@ -76,7 +76,7 @@ def arguments(case):
 
 def run(out, policy, **options):
     from stepsync import StepSyncCallback
-    from stepsync.testing import run_tiny
+    from stepsync.tools.testing import run_tiny
 
     callback = StepSyncCallback(policy, console=False) if policy else None
     epochs = options.pop("epochs", 3)
@@ -109,7 +109,7 @@ def truth_events(recording, start_drift):
 
 
 def check(result, case, out, resumed):
-    from stepsync.audit import audit_output_dir
+    from stepsync.tools.audit import audit_output_dir
 
     rec, report, state = result.recording, result.callback.report, result.trainer.state
     assert result.error is None, repr(result.error)
@@ -237,7 +237,7 @@ def test_of_two_stepsync_callbacks_one_acts_and_the_other_says_why_once(tmp_path
     import logging
 
     from stepsync import StepSyncCallback
-    from stepsync.testing import run_tiny
+    from stepsync.tools.testing import run_tiny
 
     library, user = StepSyncCallback("warn", console=False), StepSyncCallback("sync", console=False)
     with caplog.at_level(logging.INFO, logger="stepsync"):
@@ -251,7 +251,7 @@ def test_of_two_stepsync_callbacks_one_acts_and_the_other_says_why_once(tmp_path
     assert library.report is user.report and user.report.policy.value == "sync"
     assert user.report.forecast_mismatches == [] and user.report.drift == 0
     assert [(r.trainer_steps, r.engine_steps) for r in user.report.epochs] == result.recording.epoch_ends
-    from stepsync.checkpoint import load_record
+    from stepsync.training.checkpoint import load_record
 
     record = load_record(str(tmp_path / "checkpoint-4"))
     assert (record.policy, record.trainer_steps, record.engine_steps) == ("sync", 4, 4)
@@ -302,7 +302,7 @@ def test_a_remedy_that_makes_fewer_updates_still_ends_like_a_normal_run(tmp_path
     ("sync", 5, 2, "does nothing here"), ("realign", 5, 2, "does nothing here"), ("drop_last", 6, 2, "drops nothing")])
 def test_every_remedy_says_once_when_it_does_nothing(tmp_path, policy, n, g, says):
     from stepsync import StepSyncCallback
-    from stepsync.testing import run_tiny
+    from stepsync.tools.testing import run_tiny
 
     callback = StepSyncCallback(policy, console=False)
     result = run_tiny(str(tmp_path), samples=n, gas=g, epochs=2, callback=callback)

@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from simulate import simulate
-from stepsync.choices import Policy
-from stepsync.forecast import RunPlan, forecast
-from stepsync.versions import (
+from stepsync.core.choices import Policy
+from stepsync.core.forecast import RunPlan, forecast
+from stepsync.core.versions import (
     DEEPSPEED_FEATURES, ENGINE_STEPPERS, MEASURED_TRANSFORMERS, PLANNED_STEPS, REMAINDER_CUT, TRAINER_RULES,
     EngineBoundary, Stack, UnsupportedVersion, behaviour_of,
 )

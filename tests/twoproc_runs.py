@@ -6,7 +6,7 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from stepsync import StepSyncCallback  # noqa: E402
-from stepsync.testing import dump, result_summary, run_tiny  # noqa: E402
+from stepsync.tools.testing import dump, result_summary, run_tiny  # noqa: E402
 
 CASES = [("warn", 0), ("warn", 2), ("sync", 0), ("sync", 2), ("realign", 0), ("drop_last", 0), ("raise", 0)]
 

@@ -264,7 +264,7 @@ class SyncReport:
         return "\n".join(lines)
 
     def __rich__(self):
-        from .render import summary_view  # drawn by the rendering module; the report stays plain data
+        from ..display.render import summary_view  # drawn by the rendering module; the report stays plain data
 
         return summary_view(self)
 

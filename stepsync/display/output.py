@@ -32,3 +32,26 @@ def logging_reaches(stream: Any, logger: logging.Logger, level: int) -> bool:
 def _stream_of(handler: logging.Handler) -> Any:
     # A StreamHandler on stderr keeps the stream it was given; the last-resort handler reads sys.stderr anew.
     return getattr(handler, "stream", None) if isinstance(handler, logging.StreamHandler) else None
+
+
+class ConsoleOutput:
+    """The rich console of one watcher on rank 0: ``None`` makes one on stderr, ``False`` draws nothing."""
+
+    def __init__(self, console: Any = None) -> None:
+        if console is not None and console is not False and not hasattr(console, "print"):
+            raise ValueError(f"console must be a rich.console.Console, None or False, got {type(console).__name__}")
+        self.console = console
+
+    def show(self, view: str, data: Any, level: int) -> None:
+        """Draw ``view`` (a function of display.render) unless the logger already said the same there."""
+        if self.console is False:
+            return
+        from . import render
+
+        if self.console is None:
+            from rich.console import Console
+
+            self.console = Console(stderr=True)
+        if logging_reaches(self.console.file, logging.getLogger("stepsync"), level):
+            return
+        self.console.print(getattr(render, view)(data))

@@ -6,7 +6,7 @@ import json
 import sys
 from typing import List, Optional
 
-from .choices import Policy
+from ..core.choices import Policy
 
 EXIT_ALIGNED, EXIT_DRIFTS, EXIT_BAD_INPUT = 0, 1, 2
 POLICIES = ", ".join(p.value for p in Policy)
@@ -108,11 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
 def run_check(args) -> int:
     from rich.console import Console
 
-    from .checkpoint import read_json
+    from ..training.checkpoint import read_json
     from .config import deepspeed_config_of, from_training_args, resolve
-    from .forecast import RunPlan, forecast
-    from .render import forecast_view
-    from .versions import MEASURED_TRANSFORMERS, NEWEST, Stack, behaviour_of, installed_version
+    from ..core.forecast import RunPlan, forecast
+    from ..display.render import forecast_view
+    from ..core.versions import MEASURED_TRANSFORMERS, NEWEST, Stack, behaviour_of, installed_version
 
     training, deepspeed = None, None
     if args.training_args:
@@ -161,7 +161,7 @@ def run_inspect(args) -> int:
     from rich.console import Console
 
     from .audit import audit_output_dir
-    from .render import audit_view
+    from ..display.render import audit_view
 
     audit = audit_output_dir(args.output_dir)  # one checkpoint-N folder: that checkpoint only
     if args.json:
@@ -172,8 +172,8 @@ def run_inspect(args) -> int:
 
 
 def version_line() -> str:
-    from ._version import __version__
-    from .versions import installed_version
+    from .._version import __version__
+    from ..core.versions import installed_version
 
     found = ", ".join(f"{p} {installed_version(p) or 'not installed'}" for p in ("transformers", "accelerate",
                                                                                  "deepspeed", "torch"))
@@ -187,7 +187,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return run_check(args)
         if args.command == "inspect":
             return run_inspect(args)
-        from .versions import installed_version
+        from ..core.versions import installed_version
 
         missing = [p for p in ("torch", "transformers", "accelerate", "deepspeed") if installed_version(p) is None]
         if missing:  # the light install: the demo trains, so it needs the training packages

@@ -112,7 +112,7 @@ def measure(stack: StackSpec, work_dir: str) -> dict:
 
     Needs the stack installed; returns what the support file stores.
     """
-    from .callback import StepSyncCallback
+    from ..training.callback import StepSyncCallback
     from .testing import run_tiny
 
     cases = []

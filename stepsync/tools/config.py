@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from .checkpoint import read_json
+from ..training.checkpoint import read_json
 
 
 class ConfigInputError(ValueError):

@@ -11,8 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from . import checkpoint
-from .report import ResumeRecord
+from ..training import checkpoint
+from ..core.report import ResumeRecord
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _TAG = re.compile(r"^global_step(\d+)$")

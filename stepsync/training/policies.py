@@ -1,21 +1,21 @@
 """One small class per policy; the callback calls them at fixed points of every micro-batch.
 
-Each action gets the :class:`~stepsync.callback.RunTracker` (positions, engine, report) and the
+Each action gets the :class:`~stepsync.training.run.RunTracker` (positions, engine, report) and the
 Trainer's ``args``/``state``/``control`` where it must act on them.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import rules
-from .choices import Policy
+from ..core import rules
+from ..core.choices import Policy
 from .engine import BoundaryOverride
-from .forecast import forecast
-from .report import StepDriftError, StepSyncConfigError
-from .versions import EngineBoundary
+from ..core.forecast import forecast
+from ..core.report import StepDriftError, StepSyncConfigError
+from ..core.versions import EngineBoundary
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .callback import RunTracker
+    from .run import RunTracker
 
 
 class PolicyAction:

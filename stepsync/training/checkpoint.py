@@ -10,7 +10,7 @@ import json
 import os
 from typing import Optional
 
-from .report import RECORD_FILE, ResumeRecord
+from ..core.report import RECORD_FILE, ResumeRecord
 
 TRAINER_STATE = "trainer_state.json"
 CALLBACK_NAME = "StepSyncCallback"

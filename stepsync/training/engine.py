@@ -60,6 +60,22 @@ def resume_checkpoint(trainer: Any) -> Optional[str]:
     return None
 
 
+def run_after_the_flow_callback(trainer: Any, callback: Any) -> None:
+    """Move ``callback`` just after the Trainer's flow callback.
+
+    The reporting callbacks (TensorBoard, W&B, ...) get ``on_log`` before user callbacks, and the progress
+    bar reads the plan at ``on_train_begin`` after them; running before both lets every record carry the
+    stepsync metrics and the bar see a lowered plan. A new list leaves the loop that is calling us untouched.
+    """
+    handler = getattr(trainer, "callback_handler", None)
+    if handler is None:
+        return
+    others = [cb for cb in handler.callbacks if cb is not callback]
+    flow = [i for i, cb in enumerate(others) if type(cb).__name__ == "DefaultFlowCallback"]
+    at = flow[0] + 1 if flow else 0
+    handler.callbacks = others[:at] + [callback] + others[at:]
+
+
 def set_global_step(trainer: Any, state: Any, value: int) -> None:
     """Set ``state.global_step`` before the first step, and the logging mark the Trainer took from it."""
     if getattr(trainer, "_globalstep_last_logged", None) == state.global_step:

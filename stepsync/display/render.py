@@ -13,8 +13,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from .forecast import Forecast
-from .report import DriftEvent, SyncReport
+from ..core.forecast import Forecast
+from ..core.report import DriftEvent, SyncReport
 
 
 def _drift_text(drift: int) -> Text:

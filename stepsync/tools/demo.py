@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from .choices import Policy
+from ..core.choices import Policy
 
 
 def counters_table(title: str, rows: List[tuple]) -> Table:
@@ -54,15 +54,15 @@ def _prepare(trainer, live_table) -> None:
 
 
 def _aligned_here() -> bool:
-    from .versions import EngineBoundary, Stack, behaviour_of
+    from ..core.versions import EngineBoundary, Stack, behaviour_of
 
     return behaviour_of(Stack.installed()).engine_boundary is EngineBoundary.FOLLOWS_TRAINER
 
 
 def run_demo(args) -> int:
-    from .callback import StepSyncCallback
+    from ..training.callback import StepSyncCallback
     from .testing import run_tiny
-    from .versions import installed_version
+    from ..core.versions import installed_version
 
     console = Console()
     policies = [Policy.WARN, Policy.SYNC] if args.compare else [Policy.parse(args.policy)]

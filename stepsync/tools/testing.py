@@ -24,7 +24,7 @@ def cpu_distributed_env() -> None:
     """Single-process environment DeepSpeed needs on a CPU machine (kept when torchrun set it)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from .versions import installed_version
+    from ..core.versions import installed_version
 
     # One compiled-op cache per DeepSpeed release: two releases must never share it.
     cache = os.path.join(os.path.expanduser("~"), ".cache", "stepsync", f"deepspeed-{installed_version('deepspeed')}")
@@ -214,13 +214,13 @@ def training_args(output_dir: str, gas: int, epochs: float = 2, max_steps: int =
 
 
 def _accelerate_based() -> bool:
-    from .versions import installed_version, parse_version
+    from ..core.versions import installed_version, parse_version
 
     return parse_version(installed_version("transformers") or "0") >= parse_version("4.30.0")
 
 
 def _accelerate_at_least_1() -> bool:
-    from .versions import installed_version, parse_version
+    from ..core.versions import installed_version, parse_version
 
     return parse_version(installed_version("accelerate") or "0") >= parse_version("1.0.0")
 
