@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The test command: build the stacks (once, in .stacks/, with uv), run the full suite on the two newest and
-# the focused set on the older ones, printing each stack's build and test time.
+# The test command: build every stack of the matrix (stepsync/tools/support.py; once, in .stacks/, with uv),
+# run the full suite on the two newest (drifting, aligned) and the focused set on the others, printing each
+# stack's build and test time.
 # Usage: bash scripts/test.sh [pytest args]   STEPSYNC_STACKS="drifting aligned" limits the stacks.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -10,13 +11,14 @@ status=0
 # The drifting stack's numerical test compares with the aligned stack: build that first.
 export STEPSYNC_ALIGNED_PYTHON="$(bash scripts/stack.sh aligned)/bin/python"
 summary=""
-for stack in ${STEPSYNC_STACKS:-drifting aligned t447 t445 t424}; do
+for stack in ${STEPSYNC_STACKS:-$(bash scripts/stack.sh --list)}; do
   start=$(date +%s)
   venv=$(bash scripts/stack.sh "$stack")
   built=$(date +%s)
   case "$stack" in
     drifting|aligned) tests=(tests) ;;
-    *) tests=(tests/test_support.py tests/test_forecast.py tests/test_user_runs.py) ;;
+    *) tests=(tests/test_support.py tests/test_forecast.py tests/test_versions.py tests/test_user_runs.py
+              tests/test_loops_two_processes.py) ;;
   esac
   # Each DeepSpeed release compiles its CPU op once, into ~/.cache/stepsync/deepspeed-VERSION
   # (stepsync.tools.testing.cpu_distributed_env): stacks with the same release share it, others never do.

@@ -15,6 +15,7 @@ _PUBLIC = {
     "StepSyncConfigError": "core.report", "SyncReport": "core.report",
     "Stack": "core.versions", "behaviour_of": "core.versions",
     "StepSyncCallback": "training.callback",
+    "watch": "training.loop", "LoopWatch": "training.loop",
 }
 
 __all__ = sorted([*_PUBLIC, "__version__"])

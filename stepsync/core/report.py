@@ -42,6 +42,7 @@ class DriftEvent:
         engine_steps: ``engine.global_steps`` at that moment.
         previous_drift: the drift before this event.
         where: ``"train_begin"``, ``"step_end"`` or ``"epoch_end"``.
+        counter: what ``trainer_steps`` counts (the Trainer's ``global_step``, or a custom loop's updates).
     """
 
     epoch: int
@@ -52,6 +53,7 @@ class DriftEvent:
     cause: Cause
     remedy: str
     where: str
+    counter: str = "Trainer global_step"
 
     @property
     def drift(self) -> int:
@@ -60,7 +62,7 @@ class DriftEvent:
     def message(self) -> str:
         return (
             f"step drift {self.drift:+d} at epoch {self.epoch}, micro-batch {self.micro_batch} ({self.where}): "
-            f"Trainer global_step={self.trainer_steps}, DeepSpeed engine global_steps={self.engine_steps}; "
+            f"{self.counter}={self.trainer_steps}, DeepSpeed engine global_steps={self.engine_steps}; "
             f"cause: {self.cause.value}; remedy: {self.remedy}"
         )
 
@@ -209,6 +211,7 @@ class SyncReport:
             None. The counts above stay those of the training that happened.
         epochs: both counts at every epoch end of this run (:class:`EpochCount`): the epochs and
             micro-batches really trained.
+        counter: who keeps the first count: ``"Trainer"``, or ``"your loop"`` for :func:`stepsync.watch`.
     """
 
     policy: Policy
@@ -229,6 +232,7 @@ class SyncReport:
     resumed_from: Optional[ResumeRecord] = None
     loaded_checkpoint: Optional[LoadedCheckpoint] = None
     epochs: List[EpochCount] = field(default_factory=list)
+    counter: str = "Trainer"
 
     @property
     def micro_batches(self) -> int:
@@ -249,7 +253,7 @@ class SyncReport:
         if not self.active and not self.events and not self.finished:
             return f"stepsync report (policy '{self.policy.value}'): not active{': ' if self.inactive_reason else ''}" \
                    f"{self.inactive_reason}"
-        lines = [f"stepsync report (policy '{self.policy.value}'): Trainer {self.trainer_steps} updates, engine "
+        lines = [f"stepsync report (policy '{self.policy.value}'): {self.counter} {self.trainer_steps} updates, engine "
                  f"{self.engine_steps} (drift {self.drift:+d}"
                  + (f", {self.inherited_drift:+d} inherited)" if self.inherited_drift else ")")]
         if self.planned_steps is not None:

@@ -195,8 +195,8 @@ class StackBehaviour:
         if self.engine_boundary is EngineBoundary.FOLLOWS_TRAINER:
             return "use StepSyncCallback(policy='realign') to adopt the engine's count"
         if parse_version(self.stack.transformers) >= parse_version("4.47.0"):
-            return "upgrade to accelerate>=1.8.0, or use StepSyncCallback(policy='sync')"
-        return "use StepSyncCallback(policy='sync')"
+            return "upgrade to accelerate>=1.8.0, or use policy='sync' (StepSyncCallback or stepsync.watch)"
+        return "use policy='sync' (StepSyncCallback or stepsync.watch)"
 
 
 def _caveats(stack: Stack) -> Tuple[str, ...]:

@@ -65,7 +65,7 @@ def forecast_view(forecast: Forecast, notes: Sequence[str] = ()) -> Group:
 
 def drift_panel(event: DriftEvent) -> Panel:
     body = Text.assemble(
-        ("Trainer global_step ", ""), (str(event.trainer_steps), "bold"),
+        (f"{event.counter} ", ""), (str(event.trainer_steps), "bold"),
         ("   engine global_steps ", ""), (str(event.engine_steps), "bold"),
         ("   drift ", ""), _drift_text(event.drift),
         f"\ncause: {event.cause.value}\nremedy: {event.remedy}",
@@ -83,7 +83,7 @@ def events_table(events: Iterable[DriftEvent]) -> Table:
 def summary_view(report: SyncReport) -> Panel:
     """The end-of-training summary: both counts, the events and what the drift did to the schedule."""
     lines = Text()
-    lines.append(f"policy '{report.policy.value}': Trainer counted {report.trainer_steps} updates, "
+    lines.append(f"policy '{report.policy.value}': {report.counter} counted {report.trainer_steps} updates, "
                  f"the engine made {report.engine_steps} (drift ")
     lines.append_text(_drift_text(report.drift))
     lines.append(")")
@@ -91,7 +91,7 @@ def summary_view(report: SyncReport) -> Panel:
         lines.append(f", of which {report.inherited_drift:+d} was inherited when training began")
     if report.planned_steps is not None:
         finished = report.schedule_finished
-        lines.append(f"\nschedule: the Trainer planned {report.planned_steps} updates, the engine made "
+        lines.append(f"\nschedule: {report.counter} planned {report.planned_steps} updates, the engine made "
                      f"{report.engine_steps}: " + ("finished" if finished else
                                                    f"NOT finished ({report.missed_updates} not made)"),
                      style=None if finished else "yellow")

@@ -236,7 +236,7 @@ class StepSyncCallback(*_CALLBACK_BASES):
             self.report.loaded_checkpoint = LoadedCheckpoint(folder, checkpoint.step_of(folder), engine_now)
             run.note(f"after training the Trainer loaded {self.report.loaded_checkpoint}; this report describes "
                      "the training that happened")
-        run.summarize("Trainer")
+        run.summarize()
 
     # ----------------------------------------------------------------- logic
 

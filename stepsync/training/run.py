@@ -147,6 +147,7 @@ class RunTracker:
             cause=self._cause(where, drift),
             remedy=remedy or self.behaviour.remedy,
             where=where,
+            counter=getattr(self.owner, "counter", "Trainer global_step"),
         )
         self.last_drift = drift
         report.events.append(event)
@@ -194,10 +195,10 @@ class RunTracker:
         if early:
             self.warn(early)
 
-    def summarize(self, counted: str) -> None:
-        """The summary at the end, once: ``counted`` names the side the first count belongs to."""
+    def summarize(self) -> None:
+        """The summary at the end, once."""
         if self.is_main:
             report = self.report
-            logger.info("stepsync: %s counted %d updates, engine made %d (drift %+d)", counted,
+            logger.info("stepsync: %s counted %d updates, engine made %d (drift %+d)", report.counter,
                         report.trainer_steps, report.engine_steps, report.drift)
             self.owner.output.show("summary_view", report, logging.INFO)
