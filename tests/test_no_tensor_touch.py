@@ -12,7 +12,7 @@ from test_real_runs import run
 pytestmark = [needs_stack, pytest.mark.integration]
 
 PACKAGE = os.path.dirname(os.path.abspath(__import__("stepsync").__file__))
-HARNESS = os.path.join(PACKAGE, "testing.py")  # the tiny run itself, not the callback
+HARNESS = os.path.join(PACKAGE, "tools", "testing.py")  # the tiny run itself, not the callback
 
 
 def touching_modes():
