@@ -67,8 +67,14 @@ def stamp_of(requirements, as_of, tool):
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _build_env():
+    # DeepSpeed's setup.py imports torch when DS_ACCELERATOR names an accelerator, and an isolated sdist build
+    # has no torch: builds get the environment without it (the tests set it for the runs).
+    return {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR" and not k.startswith("DS_BUILD_")}
+
+
 def _run(command):
-    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_build_env())
     if done.returncode:
         sys.stderr.write(done.stdout[-6000:])
         raise SystemExit(f"failed ({done.returncode}): {' '.join(command)}")

@@ -13,7 +13,11 @@ export STEPSYNC_ALIGNED_PYTHON="$(bash scripts/stack.sh aligned)/bin/python"
 summary=""
 for stack in ${STEPSYNC_STACKS:-$(bash scripts/stack.sh --list)}; do
   start=$(date +%s)
-  venv=$(bash scripts/stack.sh "$stack")
+  if ! venv=$(bash scripts/stack.sh "$stack"); then  # one stack that cannot be built fails the run, not the others
+    status=1
+    summary+="=== stack $stack: FAILED to build in $(( $(date +%s) - start )) s"$'\n'
+    continue
+  fi
   built=$(date +%s)
   case "$stack" in
     drifting|aligned) tests=(tests) ;;
