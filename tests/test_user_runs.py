@@ -259,7 +259,7 @@ def test_of_two_stepsync_callbacks_one_acts_and_the_other_says_why_once(tmp_path
 
 @needs_stack
 @pytest.mark.integration
-@on_pairwise_stacks
+@pytest.mark.skipif(STACK not in ("drifting", "aligned"), reason="asserts transformers 5.x's plan (ceil)")
 @pytest.mark.parametrize("policy", ["realign", "drop_last"])
 def test_a_remedy_that_makes_fewer_updates_still_ends_like_a_normal_run(tmp_path, policy):
     """The Trainer's end of training (last save, last evaluation, a full progress bar) waits for max_steps."""
