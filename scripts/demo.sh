@@ -5,7 +5,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 start=$(date +%s)
 echo "stepsync demo: 1/3 installing uv, the fast installer (skipped when present)"
 command -v uv >/dev/null || python3 -m pip install -q uv || echo "stepsync demo: no uv; pip will build the stack (slower)"
-echo "stepsync demo: 2/3 building the drifting stack in .stacks/drifting (torch CPU, transformers 5.24, accelerate 1.7, deepspeed 0.19.8; about 1 minute and 1.5 GB the first time, seconds after)"
+echo "stepsync demo: 2/3 building the drifting stack in .stacks/drifting (torch CPU, transformers 5.24, accelerate 1.7, deepspeed 0.19.8; about 30 s and 1.3 GB the first time, seconds after)"
 venv=$(bash "$root/scripts/stack.sh" drifting)
 echo "stepsync demo: 3/3 training (ready after $(( $(date +%s) - start )) s); the CLI is now $venv/bin/stepsync"
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
