@@ -9,7 +9,9 @@ cd "$root"
 command -v uv >/dev/null || python3 -m pip install -q uv || echo "uv could not be installed: building with pip" >&2
 status=0
 # The drifting stack's numerical test compares with the aligned stack: build that first.
+start=$(date +%s)
 export STEPSYNC_ALIGNED_PYTHON="$(bash scripts/stack.sh aligned)/bin/python"
+echo "=== built the aligned stack first (the numerics reference) in $(( $(date +%s) - start )) s"
 summary=""
 for stack in ${STEPSYNC_STACKS:-$(bash scripts/stack.sh --list)}; do
   start=$(date +%s)

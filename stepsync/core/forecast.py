@@ -306,8 +306,7 @@ def forecast(plan: RunPlan, behaviour: StackBehaviour, policy: Policy = Policy.W
     # realign and drop_last lower the Trainer's max_steps to the count they reach, so the run ends (saves,
     # evaluates, fills its progress bar) at its last update instead of never reaching its plan.
     made_updates = result.engine_steps > plan.engine_steps_at_start
-    if policy is Policy.REALIGN and made_updates and result.engine_steps < planned and not _engine_follows(
-            policy, behaviour):
+    if policy is Policy.REALIGN and made_updates and result.engine_steps < planned:
         reachable = result.engine_steps
         result = _simulate(plan, behaviour, policy, planned, reachable)  # stops at the engine's last update
         result.reachable_steps = reachable

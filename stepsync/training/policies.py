@@ -87,10 +87,9 @@ class RealignAction(PolicyAction):
 
     def begin(self, run: "RunTracker") -> None:
         self.engine_at_last_step_end = run.engine_steps_seen
-        if run.behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER:
-            if not run.report.inherited_drift:
-                run.note("policy 'realign' does nothing here: this accelerate already makes the engine update where "
-                         "the Trainer counts (accelerate >= 1.8.0); it would only correct a drift from a checkpoint")
+        if run.behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER and not run.report.inherited_drift:
+            run.note("policy 'realign' does nothing here: this accelerate already makes the engine update where "
+                     "the Trainer counts (accelerate >= 1.8.0); it would only correct a drift from a checkpoint")
             return
         lower_the_plan(run, self.policy, "the engine can make")
 
