@@ -315,15 +315,11 @@ def forecast(plan: RunPlan, behaviour: StackBehaviour, policy: Policy = Policy.W
     return result
 
 
-def _engine_follows(policy: Policy, behaviour: StackBehaviour) -> bool:
-    return policy is Policy.SYNC or behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER
-
-
 def _simulate(plan: RunPlan, behaviour: StackBehaviour, policy: Policy, planned: int, target: int) -> Forecast:
     """The run whose epoch loop is sized by ``planned`` and which stops once its count reaches ``target``."""
     n, g = plan.micro_batches_per_epoch, plan.gradient_accumulation_steps
     rule = behaviour.trainer_rule
-    engine_follows = _engine_follows(policy, behaviour)
+    engine_follows = policy is Policy.SYNC or behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER
     per_epoch = updates_per_epoch(behaviour, n, g)
     epochs_to_run = -(-planned // per_epoch) if plan.max_steps > 0 else math.ceil(plan.num_train_epochs)
     start_epoch, start_position = resume_position(plan, behaviour)

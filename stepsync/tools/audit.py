@@ -14,7 +14,6 @@ from typing import List, Optional
 from ..training import checkpoint
 from ..core.report import ResumeRecord
 
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _TAG = re.compile(r"^global_step(\d+)$")
 
 
@@ -101,9 +100,9 @@ def audit_output_dir(path: str) -> OutputAudit:
         raise AuditInputError(f"{path!r} does not exist: pass the Trainer's output_dir")
     if not os.path.isdir(path):
         raise AuditInputError(f"{path!r} is not a directory: pass the Trainer's output_dir, not a file in it")
-    if _CHECKPOINT.match(os.path.basename(os.path.normpath(path))):
+    if checkpoint.step_of(path) is not None:
         return OutputAudit(path, [audit_checkpoint(os.path.normpath(path))])  # the checkpoint that was named
-    names = sorted((n for n in os.listdir(path) if _CHECKPOINT.match(n)), key=lambda n: int(n.split("-")[1]))
+    names = sorted((n for n in os.listdir(path) if checkpoint.step_of(n) is not None), key=checkpoint.step_of)
     if not names:
         raise AuditInputError(f"no checkpoint-N folders in {path!r}: pass the output_dir of a Trainer run that saved")
     return OutputAudit(path, [audit_checkpoint(os.path.join(path, name)) for name in names])
@@ -111,7 +110,7 @@ def audit_output_dir(path: str) -> OutputAudit:
 
 def audit_checkpoint(path: str) -> CheckpointAudit:
     name = os.path.basename(path)
-    audit = CheckpointAudit(name, path, int(_CHECKPOINT.match(name).group(1)))
+    audit = CheckpointAudit(name, path, checkpoint.step_of(name))
     if not os.path.isdir(path):
         audit.problems.append(f"{name} is not a directory")
         return audit

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from .testing import rises
+
 POLICIES = ("none", "sync", "realign", "drop_last")
 TABLE_START = "<!-- support-table:start (scripts/support_table.sh writes this) -->"
 TABLE_END = "<!-- support-table:end -->"
@@ -140,16 +142,11 @@ def outcome(run) -> dict:
         "forecast_epoch_ends": None if forecast is None else [[r.trainer_steps, r.engine_steps] for r in forecast.epochs],
         "causes": [event.cause.name for event in report.events],
         # Equal counts can still hide windows that straddle epochs: compare where each side updated.
-        "windows_agree": _rises(run.recording.trainer_steps) == _rises(run.recording.engine_steps),
+        "windows_agree": rises(run.recording.trainer_steps) == rises(run.recording.engine_steps),
         "fell_back": any("falling back" in note for note in report.notes),
         "micro_batches": len(run.recording.engine_steps),
         "forecast_ends_early": None if forecast is None else forecast.ends_early() is not None,
     }
-
-
-def _rises(counts: List[int]) -> List[int]:
-    """1-based micro-batch indices after which a counter went up."""
-    return [i + 1 for i, value in enumerate(counts) if value > (counts[i - 1] if i else 0)]
 
 
 def load(directory: str) -> Dict[str, dict]:

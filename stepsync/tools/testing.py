@@ -204,12 +204,12 @@ def training_args(output_dir: str, gas: int, epochs: float = 2, max_steps: int =
         deepspeed=deepspeed if isinstance(deepspeed, dict) else deepspeed_config(stage) if deepspeed else None,
     )
     fields = getattr(TrainingArguments, "__dataclass_fields__", {})
-    if "use_cpu" in fields and _accelerate_at_least_1():
+    if "use_cpu" in fields and _installed_at_least("accelerate", "1.0.0"):
         # On a machine without an accelerator, accelerate 1.16 under torchrun counts one process unless told
         # the run is on CPU (then the Trainer sees world_size=1 while DeepSpeed sees every rank); accelerate
         # 0.34 instead drops DeepSpeed for DDP when told so.
         options["use_cpu"] = True
-    if "xpu_backend" in fields and not _accelerate_based():
+    if "xpu_backend" in fields and not _installed_at_least("transformers", "4.30.0"):
         # transformers < 4.30 sets up its own process group: gloo on CPU. Later releases leave the device to
         # accelerate, which drops DeepSpeed for DDP when told no_cuda.
         options.update(no_cuda=True, xpu_backend="gloo")
@@ -217,16 +217,10 @@ def training_args(output_dir: str, gas: int, epochs: float = 2, max_steps: int =
     return TrainingArguments(**options)
 
 
-def _accelerate_based() -> bool:
+def _installed_at_least(package: str, version: str) -> bool:
     from ..core.versions import installed_version, parse_version
 
-    return parse_version(installed_version("transformers") or "0") >= parse_version("4.30.0")
-
-
-def _accelerate_at_least_1() -> bool:
-    from ..core.versions import installed_version, parse_version
-
-    return parse_version(installed_version("accelerate") or "0") >= parse_version("1.0.0")
+    return parse_version(installed_version(package) or "0") >= parse_version(version)
 
 
 def run_tiny(output_dir: str, samples: int, gas: int, epochs: float = 2, max_steps: int = -1, stage: int = 0,
@@ -316,11 +310,16 @@ class LoopRun:
 
     @property
     def loop_updates_at(self) -> List[int]:
-        return [i + 1 for i, v in enumerate(self.loop_steps) if v > (self.loop_steps[i - 1] if i else 0)]
+        return rises(self.loop_steps)
 
     @property
     def engine_updates_at(self) -> List[int]:
-        return [i + 1 for i, v in enumerate(self.engine_steps) if v > (self.engine_steps[i - 1] if i else 0)]
+        return rises(self.engine_steps)
+
+
+def rises(counts: List[int]) -> List[int]:
+    """1-based micro-batch indices after which a counter went up."""
+    return [i + 1 for i, value in enumerate(counts) if value > (counts[i - 1] if i else 0)]
 
 
 def loop_deepspeed_config(gas: int, stage: int = 0) -> dict:
