@@ -116,7 +116,7 @@ def test_under_raise_an_internal_failure_stops_the_run(tmp_path, monkeypatch, ca
 
 
 @pytest.mark.reliability("fault")
-def test_a_failing_record_write_keeps_the_checkpoint(tmp_path, monkeypatch, caplog):
+def test_a_failing_record_write_keeps_the_checkpoint_and_the_steering(tmp_path, monkeypatch, caplog):
     import stepsync.training.checkpoint
 
     def broken(*args, **kwargs):
@@ -127,8 +127,40 @@ def test_a_failing_record_write_keeps_the_checkpoint(tmp_path, monkeypatch, capl
         result = run(tmp_path, N, G, EPOCHS, policy="sync", save_strategy="steps", save_steps=2)
     assert_finished_intact(result)
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
-    assert (tmp_path / "checkpoint-4" / "latest").read_text().strip() == "global_step4"  # sync ran until the fault
-    assert len(stepsync_errors(caplog)) == 1 and "disk full" in result.callback.report.inactive_reason
+    assert (tmp_path / "checkpoint-4" / "latest").read_text().strip() == "global_step4"  # sync kept acting
+    errors = [r.getMessage() for r in stepsync_errors(caplog)]
+    assert len(errors) == 2 and all("disk full" in e and "training goes on" in e for e in errors)
+    assert "checkpoint-2" in errors[0] and "checkpoint-4" in errors[1]
+    report = result.callback.report
+    assert report.active and not report.inactive_reason and (report.trainer_steps, report.engine_steps) == (4, 4)
+
+
+@pytest.mark.reliability("fault")
+@pytest.mark.parametrize("policy", ["realign", "drop_last", "sync"])
+def test_a_fault_in_the_observing_never_changes_the_steering(tmp_path, monkeypatch, caplog, policy):
+    """A check that fails ends the checks, messages and metrics; the run trains exactly as without the fault."""
+    from stepsync.training.run import RunTracker
+
+    unbroken = run(tmp_path / "unbroken", N * 2 + 1, G, EPOCHS, policy=policy)
+    real_check, calls = RunTracker.check, []
+
+    def check_that_breaks(self, *args, **kwargs):
+        calls.append(args)
+        if len(calls) == 3:  # after the start and the first update
+            raise OSError("injected: the console's terminal went away")
+        return real_check(self, *args, **kwargs)
+
+    monkeypatch.setattr(RunTracker, "check", check_that_breaks)
+    with caplog.at_level(logging.INFO, logger="stepsync"):
+        broken = run(tmp_path / "broken", N * 2 + 1, G, EPOCHS, policy=policy)
+    assert broken.error is None and unbroken.error is None
+    assert broken.recording.trainer_steps == unbroken.recording.trainer_steps
+    assert broken.recording.engine_updates_at == unbroken.recording.engine_updates_at
+    assert broken.trainer.state.max_steps == unbroken.trainer.state.max_steps
+    assert len(calls) == 3  # no check after the fault
+    errors = [r.getMessage() for r in stepsync_errors(caplog)]
+    assert len(errors) == 1 and "stopped observing" in errors[0] and f"policy '{policy}' goes on acting" in errors[0]
+    assert not broken.callback.report.active and "still acts" in broken.callback.report.inactive_reason
 
 
 @pytest.mark.reliability("fault")

@@ -44,7 +44,7 @@ def elect(trainer) -> "StepSyncCallback":
 
 
 def _guarded(hook):
-    """Run a hook; an internal failure switches stepsync off for the run instead of killing it."""
+    """Run a hook; an internal failure ends stepsync's observation of the run instead of killing it."""
 
     # These run without an active run: they start one, or record that training ended.
     starts_a_run = hook.__name__ in ("on_init_end", "on_train_begin", "on_train_end")
@@ -62,6 +62,12 @@ def _guarded(hook):
             return None
 
     return wrapper
+
+
+def _is_main(args, state) -> bool:
+    """Whether this rank speaks: where the Trainer's own logs go (each node's local rank 0 with
+    ``log_on_each_node``, the default; global rank 0 otherwise)."""
+    return bool(getattr(args, "should_log", state.is_world_process_zero))
 
 
 class StepSyncCallback(*_CALLBACK_BASES):
@@ -114,6 +120,7 @@ class StepSyncCallback(*_CALLBACK_BASES):
         self._report = SyncReport(self.policy)
         self._action = action_for(self.policy)
         self._run: Optional[RunTracker] = None
+        self._observing = False  # checks, events, messages and metrics (the steering needs only _run)
         self._leader: Optional["StepSyncCallback"] = None
 
     @property
@@ -138,32 +145,52 @@ class StepSyncCallback(*_CALLBACK_BASES):
     def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
         self._run = None
         self._leader = None
+        self._observing = False
         self.report = SyncReport(self.policy)
         self._action = action_for(self.policy)
         checkpoint.keep_a_place_in(state, type(self).__name__, self.state)
         trainer = engine_adapter.find_trainer(self)
         if trainer is None:
-            return self._deactivate("could not find the Trainer that runs this callback", logging.WARNING, state)
+            return self._deactivate("could not find the Trainer that runs this callback", logging.WARNING, args, state)
         leader = elect(trainer)
         if leader is not self:
-            return self._follow(leader, state)
+            return self._follow(leader, args, state)
         if not engine_adapter.uses_deepspeed(trainer, args):
-            return self._deactivate("the Trainer does not use DeepSpeed: nothing to check", logging.INFO, state)
+            return self._deactivate("the Trainer does not use DeepSpeed: nothing to check", logging.INFO, args, state)
         engine = engine_adapter.find_engine(trainer)
         if engine is None:
             return self._deactivate("DeepSpeed is configured but no engine with global_steps was found "
-                                    "(trainer.model_wrapped); stepsync cannot check this run", logging.WARNING, state)
+                                    "(trainer.model_wrapped); stepsync cannot check this run", logging.WARNING,
+                                    args, state)
         try:
             behaviour = behaviour_of(Stack.installed())
         except UnsupportedVersion as exc:
-            return self._deactivate(f"{exc}; stepsync cannot check this run", logging.WARNING, state)
-        self._begin(args, state, engine, train_dataloader, trainer, behaviour)
+            return self._deactivate(f"{exc}; stepsync cannot check this run", logging.WARNING, args, state)
+        before = (state.global_step, state.max_steps)
+        failure = None
+        try:
+            self._begin(args, state, engine, train_dataloader, trainer, behaviour)
+        except (StepDriftError, StepSyncConfigError):
+            raise
+        except Exception as exc:
+            failure = exc
+        self._agree_on_the_start(trainer, state, before, failure)
         engine_adapter.run_after_the_flow_callback(trainer, self)
+
+    # A hook's work is of two kinds. Steering (positions, the policy's effect on training) reads only counters
+    # that are equal on every rank and touches no file, logger or console: a fault there is the same on every
+    # rank. Observing (checks, events, messages, metrics, records) is where a rank's disk, terminal or
+    # handlers can fail alone: a fault there ends observing on that rank and never changes the steering.
 
     @_guarded
     def on_epoch_begin(self, args, state, control, **kwargs):
-        self._run.begin_epoch()
-        self._action.before_micro_batch(self._run)
+        try:
+            self._run.begin_epoch()
+            self._action.before_micro_batch(self._run)
+        except (StepDriftError, StepSyncConfigError):
+            raise
+        except Exception as exc:
+            self._failed("on_epoch_begin", exc, steering=True)
 
     # The two hooks of every micro-batch skip _guarded (an extra call and **kwargs pass, microseconds each):
     # _after_micro_batch guards itself.
@@ -178,14 +205,20 @@ class StepSyncCallback(*_CALLBACK_BASES):
     @_guarded
     def on_epoch_end(self, args, state, control, **kwargs):
         run = self._run
-        run.engine_steps_seen = run.engine.global_steps
-        self._action.at_epoch_end(run, args, state, control)
-        run.check(state.global_step, "epoch_end")
-        run.end_epoch(state.global_step)
+        try:
+            run.engine_steps_seen = run.engine.global_steps
+            self._action.at_epoch_end(run, args, state, control)
+        except (StepDriftError, StepSyncConfigError):
+            raise
+        except Exception as exc:
+            return self._failed("on_epoch_end", exc, steering=True)
+        if self._observing:
+            run.check(state.global_step, "epoch_end")
+            run.end_epoch(state.global_step)
 
     @_guarded
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs is None:
+        if logs is None or not self._observing:
             return
         metrics = self._metrics(state)
         logs.update(metrics)
@@ -202,10 +235,25 @@ class StepSyncCallback(*_CALLBACK_BASES):
         if not os.path.isdir(folder):
             self._run.note(f"no checkpoint folder {folder}: stepsync's record was not saved with it")
             return
-        checkpoint.save_record(folder, record, STORED_BY_TRAINER)
+        try:
+            checkpoint.save_record(folder, record, STORED_BY_TRAINER, state)
+        except OSError as exc:  # this checkpoint lacks the record; the run and its steering go on
+            if self.policy is Policy.RAISE:
+                raise
+            self._run.error(f"could not write stepsync's record into {folder} ({exc}); "
+                            f"{self._what_a_resume_loses(record)}; training goes on")
+            return
         if record.resume_steps is None:
             self._run.note(f"{folder}: no global_step makes the Trainer resume at epoch {record.next_epoch + 1}, "
                            f"micro-batch {record.next_skip}; a resume from it repeats or skips micro-batches")
+
+    @staticmethod
+    def _what_a_resume_loses(record) -> str:
+        lost = [] if STORED_BY_TRAINER else ["a resume from it starts a new report"]
+        if record.resume_steps not in (None, record.trainer_steps):
+            lost.append(f"its trainer_state.json keeps global_step {record.trainer_steps}, so a resume from it "
+                        f"does not land at epoch {record.next_epoch + 1}, micro-batch {record.next_skip}")
+        return "; ".join(lost) or "a resume from it loses nothing"
 
     def state(self) -> dict:
         """``ExportableState`` (transformers >= 4.41): the record the Trainer saves in ``trainer_state.json``."""
@@ -224,7 +272,12 @@ class StepSyncCallback(*_CALLBACK_BASES):
             self.report.finished = True
         if run is None:
             return
-        self._action.end(run)
+        try:
+            self._action.end(run)
+        except Exception as exc:
+            return self._failed("on_train_end", exc, steering=True)
+        if not self._observing:
+            return
         # The counts of the training that happened: with load_best_model_at_end the Trainer has already
         # loaded the best checkpoint into the engine, which took that checkpoint's count back.
         self.report.trainer_steps = state.global_step
@@ -260,8 +313,9 @@ class StepSyncCallback(*_CALLBACK_BASES):
             start_epoch, skip = resume_position(plan, behaviour)
         else:
             n = None
-        run = self._run = RunTracker(self, engine, behaviour, n, g, start_epoch, skip, state.is_world_process_zero)
+        run = self._run = RunTracker(self, engine, behaviour, n, g, start_epoch, skip, _is_main(args, state))
         run.plan, run.state = plan, state
+        self._observing = True
         self.report.active = True
         self.report.planned_steps = state.max_steps
         run.state_what_differs("the Trainer's")
@@ -281,21 +335,56 @@ class StepSyncCallback(*_CALLBACK_BASES):
         run.check(state.global_step, "train_begin",
                   REUSED_ENGINE_REMEDY if state.global_step == 0 else INHERITED_REMEDY)
 
+    def _agree_on_the_start(self, trainer, state, before: tuple, failure: Optional[Exception]) -> None:
+        """One collective before the first micro-batch: every rank steers this run the same way, or none does.
+
+        A rank whose checkpoint files or start differ from the others' (a record that could not be written on
+        one node, a fault on one rank) would otherwise train different micro-batches than its peers.
+        """
+        after = (state.global_step, state.max_steps)
+        spread = engine_adapter.spread_across_ranks(trainer, (*before, *after, failure is not None))
+        resumed_apart = any(low != high for low, high in spread[:2])
+        started_apart = any(low != high for low, high in spread[2:])
+        if not (resumed_apart or started_apart or failure):
+            return
+        if resumed_apart:
+            (step_low, step_high), (plan_low, plan_high) = spread[:2]
+            reason = (f"the ranks resumed at different points (global_step {step_low}..{step_high}, max_steps "
+                      f"{plan_low}..{plan_high}): every node must resume from the same checkpoint; with "
+                      "save_on_each_node, make each node's checkpoint-N/trainer_state.json the same (copy node 0's)")
+        elif failure is None:
+            reason = "stepsync failed to start on another rank (its log says why)"
+        else:
+            reason = f"internal error in on_train_begin: {failure!r}"
+        if self.policy is Policy.RAISE:
+            if failure is not None:
+                self._switch_off(reason, exc_info=failure)
+                raise failure
+            raise StepSyncConfigError(f"{reason}; policy 'raise' stops every rank before the first micro-batch")
+        # Every rank takes the Trainer's own start back: none of them steers.
+        engine_adapter.set_global_step(trainer, state, before[0])
+        state.max_steps = before[1]
+        self._switch_off(f"{reason}; no rank steers this run", exc_info=failure)
+
     def _after_micro_batch(self, args, state, control, trainer_updated: bool) -> None:
+        run = self._run
         try:
-            run = self._run
             engine_updated = run.micro_batch_done()
             action = self._action
             if action.acts_per_micro_batch:  # warn and raise skip two calls on every micro-batch
                 action.after_micro_batch(run, trainer_updated, engine_updated, args, state, control)
-            if trainer_updated:
-                run.check(state.global_step, "step_end")
-            if self._action.acts_per_micro_batch:  # a fallback may have replaced the action
-                self._action.before_micro_batch(run)
+                self._action.before_micro_batch(run)  # a fallback may have replaced the action
         except (StepDriftError, StepSyncConfigError):
             raise
         except Exception as exc:
-            self._failed("on_step_end" if trainer_updated else "on_substep_end", exc)
+            return self._failed("on_step_end" if trainer_updated else "on_substep_end", exc, steering=True)
+        if trainer_updated and self._observing:
+            try:
+                run.check(state.global_step, "step_end")
+            except (StepDriftError, StepSyncConfigError):
+                raise
+            except Exception as exc:
+                self._failed("on_step_end", exc)
 
     def _metrics(self, state) -> dict:
         # The count after the last micro-batch: the final log record comes after load_best_model_at_end
@@ -304,33 +393,45 @@ class StepSyncCallback(*_CALLBACK_BASES):
         return {METRIC_KEYS[0]: state.global_step, METRIC_KEYS[1]: engine_steps,
                 METRIC_KEYS[2]: state.global_step - engine_steps}
 
-    def _follow(self, leader: "StepSyncCallback", state) -> None:
+    def _follow(self, leader: "StepSyncCallback", args, state) -> None:
         """Another instance acts for this Trainer: stay silent, and share its report."""
         self._leader = leader
-        if state.is_world_process_zero:
+        if _is_main(args, state):
             level = logging.WARNING if self.policy is not leader.policy else logging.INFO
             logger.log(level, "stepsync: this Trainer has two StepSyncCallbacks; the one with policy '%s' acts and "
                        "this one (policy '%s') stays silent; both give the same report", leader.policy.value,
                        self.policy.value)
 
-    def _deactivate(self, reason: str, level: int, state) -> None:
+    def _deactivate(self, reason: str, level: int, args, state) -> None:
         self.report.active = False
         self.report.inactive_reason = reason
-        if state.is_world_process_zero:
+        if _is_main(args, state):
             logger.log(level, "stepsync: %s", reason)
 
-    def _failed(self, hook: str, exc: Exception) -> None:
-        """A failure inside stepsync: switch off (training goes on), or re-raise under policy 'raise'."""
-        self._switch_off(f"internal error in {hook}: {exc!r}")
+    def _failed(self, hook: str, exc: Exception, steering: bool = False) -> None:
+        """A failure inside stepsync. Under policy 'raise' it stops the run. Otherwise a fault of the steering
+        (the same on every rank) switches stepsync off, and a fault of the observing ends only the observing:
+        the policy keeps acting on training, so that this rank keeps taking its peers' decisions."""
+        reason = f"internal error in {hook}: {exc!r}"
         if self.policy is Policy.RAISE:
+            self._switch_off(reason, exc_info=exc)
             raise exc
+        if steering:
+            return self._switch_off(reason, exc_info=exc)
+        self._observing = False
+        self.report.active = False
+        self.report.inactive_reason = f"{reason}; stopped observing, policy '{self.report.policy.value}' still acts"
+        logger.error("stepsync stopped observing this run on this rank (no more checks, messages or metrics); "
+                     "its policy '%s' goes on acting on training as on every other rank. %s",
+                     self.report.policy.value, reason, exc_info=exc)
 
-    def _switch_off(self, reason: str) -> None:
+    def _switch_off(self, reason: str, exc_info: Optional[BaseException] = None) -> None:
         run, self._run = self._run, None
+        self._observing = False
         self.report.active = False
         self.report.inactive_reason = reason
         outcome = "policy 'raise' stops the run" if self.policy is Policy.RAISE else "training goes on"
-        logger.error("stepsync switched itself off for this run; %s. %s", outcome, reason, exc_info=True)
+        logger.error("stepsync switched itself off for this run; %s. %s", outcome, reason, exc_info=exc_info)
         if run is None:
             return
         planned = self.report.planned_steps

@@ -6,9 +6,11 @@ Plain file I/O (no torch, no DeepSpeed). transformers >= 4.41 keeps the record i
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from typing import Optional
+import tempfile
+from typing import Any, Optional
 
 from ..core.report import RECORD_FILE, ResumeRecord
 
@@ -46,16 +48,19 @@ def load_record(folder: str) -> Optional[ResumeRecord]:
     return None
 
 
-def save_record(folder: str, record: ResumeRecord, stored_by_trainer: bool) -> None:
+def save_record(folder: str, record: ResumeRecord, stored_by_trainer: bool, trainer_state: Any) -> None:
     """Write ``record`` into checkpoint ``folder`` and, where a policy moved ``global_step`` off the data
-    position, the count the Trainer's resume arithmetic needs into ``trainer_state.json``."""
+    position, the count the Trainer's resume arithmetic needs into ``trainer_state.json``.
+
+    ``trainer_state`` is the live ``TrainerState`` the Trainer has just saved: the file is written again from
+    it, never read back, because another node saving into the same folder may be rewriting it right now.
+    """
     if not stored_by_trainer:
-        _write_json(os.path.join(folder, RECORD_FILE), record.to_dict())
+        write_json(os.path.join(folder, RECORD_FILE), record.to_dict())
     if record.resume_steps is not None and record.resume_steps != record.trainer_steps:
-        state_path = os.path.join(folder, TRAINER_STATE)
-        state = read_json(state_path)
+        state = dataclasses.asdict(trainer_state)
         state["global_step"] = record.resume_steps
-        _write_json(state_path, state)
+        write_json(os.path.join(folder, TRAINER_STATE), state)
 
 
 def step_of(folder: Optional[str]) -> Optional[int]:
@@ -81,9 +86,18 @@ def read_json(path: str, what: str = "file") -> dict:
     return data
 
 
-def _write_json(path: str, data: dict) -> None:
-    partial = path + ".partial"
-    with open(partial, "w") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True)
-        handle.write("\n")
-    os.replace(partial, path)  # a crash mid-write never leaves half a file
+def write_json(path: str, data: dict) -> None:
+    """Write ``data`` to ``path`` at once: readers see the old file or the new one, never half of either."""
+    folder, name = os.path.split(path)
+    # A name of its own per writer: two nodes saving into one shared folder never share a temporary file.
+    handle, partial = tempfile.mkstemp(prefix=f".{name}.", suffix=".partial", dir=folder or ".")
+    try:
+        with os.fdopen(handle, "w") as out:
+            json.dump(data, out, indent=2, sort_keys=True)
+            out.write("\n")
+        os.chmod(partial, os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644)  # not mkstemp's 0600
+        os.replace(partial, path)
+    except BaseException:
+        if os.path.exists(partial):
+            os.unlink(partial)
+        raise

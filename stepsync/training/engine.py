@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, List, Optional, Sequence, Tuple
 
 _MAX_FRAMES = 12  # Trainer -> CallbackHandler.on_x -> call_event -> our hook, plus subclasses' overrides
 
@@ -81,6 +81,28 @@ def set_global_step(trainer: Any, state: Any, value: int) -> None:
     if getattr(trainer, "_globalstep_last_logged", None) == state.global_step:
         trainer._globalstep_last_logged = value  # else the first log waits until the old count is passed
     state.global_step = value
+
+
+def spread_across_ranks(trainer: Any, values: Sequence[int]) -> List[Tuple[int, int]]:
+    """(lowest, highest) of each of ``values`` over every rank of the run: one all-reduce, on every rank.
+
+    A single process, or a run without a process group, gets its own values back.
+    """
+    values = [int(v) for v in values]
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return [(v, v) for v in values]
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return [(v, v) for v in values]
+    device = getattr(getattr(trainer, "args", None), "device", "cpu")
+    # The highest of v and of -v in one call: -(highest of -v) is the lowest.
+    both = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    found = both.tolist()
+    n = len(values)
+    return [(-found[n + i], found[i]) for i in range(n)]
 
 
 def examples_of(trainer: Any, dataloader: Any) -> Optional[int]:
