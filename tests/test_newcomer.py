@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from real import write_torch_archive
 from test_cli import stepsync
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -102,6 +103,7 @@ def fake_output_dir(tmp_path, steps):
     for trainer, engine in steps:
         folder = tmp_path / f"checkpoint-{trainer}"
         (folder / f"global_step{engine}").mkdir(parents=True)
+        write_torch_archive(folder / f"global_step{engine}" / "mp_rank_00_model_states.pt", {"dp_world_size": 1})
         (folder / "latest").write_text(f"global_step{engine}")
         (folder / "trainer_state.json").write_text(json.dumps({"global_step": trainer}))
     return tmp_path

@@ -115,10 +115,12 @@ def audit_view(audit) -> Group:
     messages = []
     for item in audit.checkpoints:
         record = item.record
-        status = Text("ok", style="green") if item.ok else Text("MISMATCH" if item.mismatches else "BROKEN",
-                                                                style="bold red")
+        damaged = len(item.problems) > item.node_local  # a node's own copy misses only its 'latest'
+        status = Text("ok", style="green") if item.ok else Text(
+            "BROKEN" if damaged else "MISMATCH" if item.mismatches else "NO LATEST", style="bold red")
+        tag = item.deepspeed_tag or (f"(global_step{item.deepspeed_step})" if item.deepspeed_step is not None else "-")
         rows.append([item.name, "?" if item.trainer_state_step is None else str(item.trainer_state_step),
-                     item.deepspeed_tag or "-", f"{record.trainer_steps}/{record.engine_steps}" if record else "-",
+                     tag, f"{record.trainer_steps}/{record.engine_steps}" if record else "-",
                      _drift_text(item.drift) if item.drift is not None else Text("?"), status])
         messages += item.mismatches + item.problems
     table = _table(f"stepsync inspect: {audit.output_dir}",

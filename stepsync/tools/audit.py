@@ -1,13 +1,18 @@
 """``stepsync inspect``: audit the checkpoints of a Trainer output directory. Pure file reading.
 
 For every ``checkpoint-N/``: the Trainer's step (folder name and ``trainer_state.json``), DeepSpeed's
-tag (``latest`` and ``global_stepM/``) and stepsync's record; each mismatch (DeepSpeed issue 7405's
-``checkpoint-800/global_step799/``) and each missing or unreadable file is a message, never a traceback.
+tag (``latest`` and ``global_stepM/``), the DeepSpeed files a resume reads from ``global_stepM/`` and
+stepsync's record; each mismatch (DeepSpeed issue 7405's ``checkpoint-800/global_step799/``) and each
+missing, partial or corrupt file is a message, never a traceback. Nothing is unpickled: torch's files are
+zip archives that the standard library checks, and the few counts read from inside them come from the
+pickle's opcodes, never from running it.
 """
 from __future__ import annotations
 
 import os
+import pickletools
 import re
+import zipfile
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -15,6 +20,11 @@ from ..training import checkpoint
 from ..core.report import ResumeRecord
 
 _TAG = re.compile(r"^global_step(\d+)$")
+# DeepSpeed's files in global_stepM/: model states per model-parallel rank (ZeRO 0-2) or per data-parallel and
+# model-parallel rank (ZeRO-3), optimizer states per data-parallel rank (ZeRO >= 1; bf16_ for the bf16 optimizer).
+_MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+_OPTIM_STATES = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_RNG_STATE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
 
 
 class AuditInputError(ValueError):
@@ -31,6 +41,8 @@ class CheckpointAudit:
         deepspeed_tag: the tag in ``latest``; deepspeed_step: its number.
         tag_folders: the numbers of the ``global_stepM/`` folders present.
         record: stepsync's record, when the run had stepsync.
+        node_local: the folder a node other than node 0 saved for itself (``save_on_each_node=True``): DeepSpeed
+            wrote no ``latest`` there, the tag comes from its ``global_stepM/``.
         mismatches: counts that disagree; problems: missing, partial or corrupt files.
     """
 
@@ -42,6 +54,7 @@ class CheckpointAudit:
     deepspeed_step: Optional[int] = None
     tag_folders: List[int] = field(default_factory=list)
     record: Optional[ResumeRecord] = None
+    node_local: bool = False
     mismatches: List[str] = field(default_factory=list)
     problems: List[str] = field(default_factory=list)
 
@@ -59,7 +72,7 @@ class CheckpointAudit:
             "name": self.name, "path": self.path, "trainer_step": self.trainer_step,
             "trainer_state_step": self.trainer_state_step, "deepspeed_tag": self.deepspeed_tag,
             "deepspeed_step": self.deepspeed_step, "tag_folders": self.tag_folders, "drift": self.drift,
-            "stepsync_record": self.record.to_dict() if self.record else None,
+            "stepsync_record": self.record.to_dict() if self.record else None, "node_local": self.node_local,
             "mismatches": self.mismatches, "problems": self.problems, "ok": self.ok,
         }
 
@@ -94,21 +107,24 @@ class OutputAudit:
                 "verdict": self.verdict(), "checkpoints": [c.to_dict() for c in self.checkpoints]}
 
 
-def audit_output_dir(path: str) -> OutputAudit:
-    """Audit every ``checkpoint-N`` in a Trainer output directory, or the one ``checkpoint-N`` folder named."""
+def audit_output_dir(path: str, verify_data: bool = True) -> OutputAudit:
+    """Audit every ``checkpoint-N`` in a Trainer output directory, or the one ``checkpoint-N`` folder named.
+
+    ``verify_data=False`` checks each DeepSpeed file's structure and pickle but not every tensor's checksum
+    (which reads every byte of the checkpoint)."""
     if not os.path.exists(path):
         raise AuditInputError(f"{path!r} does not exist: pass the Trainer's output_dir")
     if not os.path.isdir(path):
         raise AuditInputError(f"{path!r} is not a directory: pass the Trainer's output_dir, not a file in it")
     if checkpoint.step_of(path) is not None:
-        return OutputAudit(path, [audit_checkpoint(os.path.normpath(path))])  # the checkpoint that was named
+        return OutputAudit(path, [audit_checkpoint(os.path.normpath(path), verify_data)])  # the checkpoint that was named
     names = sorted((n for n in os.listdir(path) if checkpoint.step_of(n) is not None), key=checkpoint.step_of)
     if not names:
         raise AuditInputError(f"no checkpoint-N folders in {path!r}: pass the output_dir of a Trainer run that saved")
-    return OutputAudit(path, [audit_checkpoint(os.path.join(path, name)) for name in names])
+    return OutputAudit(path, [audit_checkpoint(os.path.join(path, name), verify_data) for name in names])
 
 
-def audit_checkpoint(path: str) -> CheckpointAudit:
+def audit_checkpoint(path: str, verify_data: bool = True) -> CheckpointAudit:
     name = os.path.basename(path)
     audit = CheckpointAudit(name, path, checkpoint.step_of(name))
     if not os.path.isdir(path):
@@ -119,7 +135,7 @@ def audit_checkpoint(path: str) -> CheckpointAudit:
         audit.problems.append(f"{name} is empty: the save did not complete; delete it")
         return audit
     _read_trainer_state(audit)
-    _read_deepspeed(audit, entries)
+    _read_deepspeed(audit, entries, verify_data)
     _read_record(audit)
     return audit
 
@@ -140,14 +156,13 @@ def _read_trainer_state(audit: CheckpointAudit) -> None:
     audit.trainer_state_step = step
 
 
-def _read_deepspeed(audit: CheckpointAudit, entries: List[str]) -> None:
+def _read_deepspeed(audit: CheckpointAudit, entries: List[str], verify_data: bool) -> None:
     audit.tag_folders = sorted(int(m.group(1)) for m in map(_TAG.match, entries)
                                if m and os.path.isdir(os.path.join(audit.path, m.group(0))))
     latest = os.path.join(audit.path, "latest")
     if not os.path.isfile(latest):
         if audit.tag_folders:
-            audit.problems.append(f"{audit.name} has global_step folders but no 'latest' file: DeepSpeed's save "
-                                  "did not finish (or 'latest' was deleted)")
+            _without_latest(audit, entries, verify_data)
         return
     try:
         with open(latest) as handle:
@@ -163,11 +178,122 @@ def _read_deepspeed(audit: CheckpointAudit, entries: List[str]) -> None:
     audit.deepspeed_step = int(match.group(1))
     if audit.deepspeed_step not in audit.tag_folders:
         audit.problems.append(f"{audit.name}: 'latest' names {tag} but there is no such folder")
+        return
+    _compare_steps(audit)
+    _read_tag_folder(audit, entries, verify_data)
+
+
+def _without_latest(audit: CheckpointAudit, entries: List[str], verify_data: bool) -> None:
+    """No ``latest``: a node's own folder (DeepSpeed writes ``latest`` on global rank 0 only), or a save that
+    did not finish. The drift is still read from the one ``global_stepM/``."""
+    ranks = _rng_ranks(entries)
+    audit.node_local = bool(ranks) and 0 not in ranks
+    if len(audit.tag_folders) > 1:
+        audit.problems.append(f"{audit.name} has several global_step folders and no 'latest' file: DeepSpeed cannot "
+                              "tell which one to load; keep the one this checkpoint was saved with")
+        return
+    audit.deepspeed_step = audit.tag_folders[0]
+    tag = f"global_step{audit.deepspeed_step}"
+    if audit.node_local:
+        audit.problems.append(
+            f"{audit.name} is a node's own copy (save_on_each_node=True; this node saved ranks "
+            f"{', '.join(map(str, sorted(ranks)))}) and has no 'latest' file: DeepSpeed writes it on global rank 0 "
+            f"only, and a resume here fails without it. Copy node 0's {audit.name}/latest here (it says {tag}), "
+            f"or write {tag} into {audit.name}/latest")
+    else:
+        audit.problems.append(f"{audit.name} has {tag}/ but no 'latest' file: DeepSpeed's save did not finish "
+                              "(or 'latest' was deleted); resume from an earlier checkpoint")
+    _compare_steps(audit)
+    _read_tag_folder(audit, entries, verify_data)
+
+
+def _compare_steps(audit: CheckpointAudit) -> None:
     if audit.deepspeed_step != audit.trainer_step:
+        tag = f"global_step{audit.deepspeed_step}"
         audit.mismatches.append(
             f"{audit.name} holds DeepSpeed's {tag}: the Trainer counted {audit.trainer_step} updates, the engine "
             f"made {audit.deepspeed_step} (drift {audit.drift:+d}, the DeepSpeed issue 7405 pattern); "
             "a resume inherits it: resume with StepSyncCallback(policy='realign') or use policy='sync' from the start")
+
+
+def _rng_ranks(entries: List[str]) -> set:
+    """The processes whose RNG state the Trainer saved here (every rank saves its own, into its node's dir)."""
+    found = [m.group(1) for m in map(_RNG_STATE.match, entries) if m]
+    return {int(rank) if rank is not None else 0 for rank in found}
+
+
+def _read_tag_folder(audit: CheckpointAudit, entries: List[str], verify_data: bool) -> None:
+    """Every file DeepSpeed will read from ``global_stepM/`` is there and whole."""
+    tag = f"global_step{audit.deepspeed_step}"
+    folder = os.path.join(audit.path, tag)
+    where = f"{audit.name}/{tag}"
+    files = sorted(os.listdir(folder))
+    broken = {name: why for name in files if name.endswith(".pt")
+              for why in [_archive_problem(os.path.join(folder, name), verify_data)] if why}
+    audit.problems.extend(f"{where}/{name}: {why}" for name, why in broken.items())
+    model = [m for m in map(_MODEL_STATES.match, files) if m]
+    optim = [m for m in map(_OPTIM_STATES.match, files) if m]
+    readable = [os.path.join(folder, m.group(0)) for m in model + optim if m.group(0) not in broken]
+    stage = next((v for v in (_int_in_pickle(path, "stage") for path in readable) if v is not None), None)
+    if stage is None and any(m.group(1) is not None for m in model + optim):
+        stage = 3 if any(m.group(1) is not None for m in model) else 1
+    # The data-parallel ranks whose files a resume needs: those that saved here (their RNG files), else the
+    # world size the files recorded, else every rank a file names.
+    ranks = _rng_ranks(entries)
+    if not ranks:
+        world = next((v for v in (_int_in_pickle(path, "dp_world_size") for path in readable) if v), None)
+        named = {int(m.group(1)) for m in model + optim if m.group(1) is not None}
+        ranks = set(range(world)) if world else named or {0}
+    expected = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in sorted(ranks)] if stage == 3 else \
+        sorted({m.group(0) for m in model if m.group(1) is None} or {"mp_rank_00_model_states.pt"})
+    if stage is not None and stage >= 1:
+        prefix = "bf16_" if any(m.group(0).startswith("bf16_") for m in optim) else ""
+        expected += [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in sorted(ranks)]
+    for name in expected:
+        if name not in files:
+            whose = "the parameters" if "model_states" in name else "the optimizer states"
+            audit.problems.append(f"{where}/{name} is missing: {whose} it holds were not saved (or were deleted); "
+                                  "a resume fails there; resume from an earlier checkpoint")
+
+
+def _archive_problem(path: str, verify_data: bool) -> str:
+    """Why ``path`` is not a whole torch archive (a zip with a ``data.pkl``), or ''. ``verify_data`` checks
+    the checksum of every tensor too (it reads the whole file), not only of the pickle."""
+    try:
+        size = os.path.getsize(path)
+        if size == 0:
+            return "empty (0 bytes): the save did not finish or the disk filled; resume from an earlier checkpoint"
+        with zipfile.ZipFile(path) as archive:
+            pickles = [info for info in archive.infolist() if info.filename.endswith("/data.pkl")]
+            if not pickles:
+                return "not a torch checkpoint (no data.pkl in the archive)"
+            end = max(info.header_offset + info.compress_size for info in archive.infolist())
+            if end > size:
+                return f"truncated ({size} of {end} bytes): the save did not finish; resume from an earlier checkpoint"
+            damaged = archive.testzip() if verify_data else (archive.read(pickles[0]) and None)  # CRCs
+            if damaged:
+                return f"corrupt: {damaged} fails its checksum; resume from an earlier checkpoint"
+    except zipfile.BadZipFile as exc:
+        return f"corrupt or truncated ({exc}): the save did not finish or two writers wrote it at once; " \
+               "resume from an earlier checkpoint"
+    except (OSError, EOFError, ValueError) as exc:
+        return f"unreadable ({exc})"
+    return ""
+
+
+def _int_in_pickle(path: str, key: str) -> Optional[int]:
+    """The integer stored under ``key`` in a torch archive's pickle, read from its opcodes (nothing is run)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            name = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
+            ops = [(op.name, arg) for op, arg, _ in pickletools.genops(archive.read(name))
+                   if op.name not in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE")]
+    except Exception:  # a file we cannot read gives no count; its problem is reported on its own
+        return None
+    for (_, arg), (op, value) in zip(ops, ops[1:]):
+        if arg == key and op in ("BININT", "BININT1", "BININT2", "INT", "LONG1"):
+            return int(value)
+    return None
 
 
 def _read_record(audit: CheckpointAudit) -> None:
