@@ -53,7 +53,7 @@ def test_a_nodes_own_copy_is_recognised_and_its_drift_checked(tmp_path):
     checkpoint(tmp_path, 4, [1], 2, 2, latest=False, engine_step=3)
     item = audit_output_dir(str(tmp_path)).checkpoints[0]
     assert item.node_local and item.deepspeed_step == 3 and item.drift == 1
-    assert len(item.problems) == 1 and "copy node 0's checkpoint-4/latest here (it says global_step3)" in item.problems[0]
+    assert len(item.problems) == 1 and "Copy node 0's checkpoint-4/latest here (it says global_step3)" in item.problems[0]
     assert not item.ok
 
 
