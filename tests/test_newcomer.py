@@ -166,6 +166,30 @@ def test_logging_and_the_console_say_a_message_once_per_destination():
     assert not logging_reaches(sys.stderr, quiet, logging.WARNING)  # filtered out: the view is the only copy
 
 
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_one_terminal_is_one_screen_for_stdout_stderr_and_rich():
+    from rich.console import Console
+    from rich.logging import RichHandler
+
+    from stepsync.display.output import logging_reaches
+
+    stdout, stderr = Terminal(), Terminal()
+    logger = logging.Logger("stepsync-examples", logging.INFO)
+    logger.addHandler(logging.StreamHandler(stdout))  # transformers' example scripts
+    assert logging_reaches(stderr, logger, logging.INFO)  # the same screen: the line is enough
+    assert not logging_reaches(io.StringIO(), logger, logging.INFO)  # the console draws into a file: draw
+    rich_logger = logging.Logger("stepsync-rich", logging.INFO)
+    rich_logger.addHandler(RichHandler(console=Console(file=stdout)))
+    assert logging_reaches(stderr, rich_logger, logging.INFO)
+    piped = logging.Logger("stepsync-piped", logging.INFO)
+    piped.addHandler(logging.StreamHandler(io.StringIO()))  # a log file, not the screen
+    assert not logging_reaches(stderr, piped, logging.INFO)
+
+
 def light_venv(tmp_path):
     """A fresh environment with stepsync installed as a user would, without the training packages."""
     venv = tmp_path / "light"

@@ -1,9 +1,11 @@
 """Where stepsync's messages go: each one reaches each destination once.
 
-The ``stepsync`` logger is the primary channel (files, job logs, rank filters). The rich views on rank 0
-add tables and panels; a view is skipped when a logging handler already writes the same message to the
-console's stream (for instance ``logging.basicConfig()`` on stderr, or Python's last-resort handler,
-which prints warnings to stderr when nothing is configured).
+The ``stepsync`` logger is the primary channel (files, job logs, rank filters). The rich views add tables
+and panels where the Trainer's own logs go; a view is skipped when a logging handler already shows the same
+message where the console draws: on the console's own stream (``logging.basicConfig()`` on stderr, or
+Python's last-resort handler, which prints warnings to stderr when nothing is configured), or, when the
+console draws on a terminal, on any terminal (a ``StreamHandler(sys.stdout)`` as transformers' example
+scripts set up, or rich's ``RichHandler``): stdout and stderr of one terminal are one screen.
 """
 from __future__ import annotations
 
@@ -13,29 +15,47 @@ from typing import Any
 
 
 def logging_reaches(stream: Any, logger: logging.Logger, level: int) -> bool:
-    """Whether a record of ``level`` on ``logger`` would be written to ``stream``."""
+    """Whether a record of ``level`` on ``logger`` would be shown where ``stream`` shows it: on ``stream``
+    itself, or on any terminal when ``stream`` is one."""
     if not logger.isEnabledFor(level):
         return False
+    on_screen = _is_terminal(stream)
     current, handled = logger, False
     while current is not None:
         for handler in current.handlers:
             handled = True
-            if level >= handler.level and _stream_of(handler) is stream:
+            if level < handler.level:
+                continue
+            target = _stream_of(handler)
+            if target is stream or on_screen and target is not None and _is_terminal(target):
                 return True
         if not current.propagate:
             break
         current = current.parent
     last = logging.lastResort
-    return not handled and last is not None and level >= last.level and stream is sys.stderr
+    return not handled and last is not None and level >= last.level and (
+        stream is sys.stderr or on_screen and _is_terminal(sys.stderr))
 
 
 def _stream_of(handler: logging.Handler) -> Any:
-    # A StreamHandler on stderr keeps the stream it was given; the last-resort handler reads sys.stderr anew.
-    return getattr(handler, "stream", None) if isinstance(handler, logging.StreamHandler) else None
+    # A StreamHandler on stderr keeps the stream it was given; the last-resort handler reads sys.stderr anew;
+    # rich's RichHandler writes through its own console.
+    if isinstance(handler, logging.StreamHandler):
+        return getattr(handler, "stream", None)
+    console = getattr(handler, "console", None)
+    return getattr(console, "file", None) if console is not None and hasattr(console, "print") else None
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
+        return False
 
 
 class ConsoleOutput:
-    """The rich console of one watcher on rank 0: ``None`` makes one on stderr, ``False`` draws nothing."""
+    """The rich console of one watcher on the ranks that speak: ``None`` makes one on stderr, ``False`` draws
+    nothing."""
 
     def __init__(self, console: Any = None) -> None:
         if console is not None and console is not False and not hasattr(console, "print"):
