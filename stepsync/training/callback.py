@@ -356,6 +356,9 @@ class StepSyncCallback(*_CALLBACK_BASES):
             reason = "stepsync failed to start on another rank (its log says why)"
         else:
             reason = f"internal error in on_train_begin: {failure!r}"
+        if resumed_apart:  # the ranks would train different micro-batches and wait on each other: stop them all
+            self._switch_off(reason)
+            raise StepSyncConfigError(f"{reason}; stepsync stops every rank before the first micro-batch")
         if self.policy is Policy.RAISE:
             if failure is not None:
                 self._switch_off(reason, exc_info=failure)
