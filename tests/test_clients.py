@@ -79,3 +79,44 @@ def test_peft_lora_under_zero_2(tmp_path, policy):
     trainable = [name for name, p in result.trainer.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in name for name in trainable)
     check(result.trainer, callback, result.recording, policy)
+
+
+def grpo_trainer(tmp_path, policy, steps_per_generation, prompts=6):
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from stepsync import StepSyncCallback
+    from stepsync.tools.testing import Recording, cpu_distributed_env, deepspeed_config, recorder, tiny_model
+
+    cpu_distributed_env()
+    tokenizer, words = tiny_tokenizer()
+    data = Dataset.from_dict({"prompt": [" ".join(words[i:i + 3]) for i in range(prompts)]})
+    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                          num_generations=2, steps_per_generation=steps_per_generation, max_completion_length=4,
+                          num_train_epochs=2, bf16=False, learning_rate=1e-2, report_to=[], logging_steps=1,
+                          save_strategy="no", disable_tqdm=True, use_cpu=True, deepspeed=deepspeed_config(0))
+    callback, recording, ref = StepSyncCallback(policy, console=False), Recording(), []
+    model = tiny_model()
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=lambda completions, **kwargs: [float(len(c)) for c in completions],
+                              args=args, train_dataset=data, processing_class=tokenizer,
+                              callbacks=[recorder(ref, recording), callback])
+    ref.append(trainer)
+    return trainer, callback
+
+
+def test_trl_grpo_refuses_drop_last_with_its_own_fix(tmp_path):
+    from stepsync import StepSyncConfigError
+
+    trainer, _ = grpo_trainer(tmp_path, "drop_last", steps_per_generation=3, prompts=3)
+    with pytest.raises(StepSyncConfigError, match=r"steps_per_generation=3.*multiple of gradient_accumulation_steps=2"):
+        trainer.train()
+    assert trainer.model_wrapped.global_steps == 0  # refused before the first micro-batch
+
+
+def test_trl_grpo_remedy_names_steps_per_generation(tmp_path):
+    trainer, callback = grpo_trainer(tmp_path, "warn", steps_per_generation=3, prompts=3)
+    trainer.train()
+    events = callback.report.events  # 3 micro-batches an epoch, G=2: the Trainer 4, a drifting engine 3
+    assert len(events) == (1 if DRIFTS else 0)
+    assert all("steps_per_generation to a multiple of gradient_accumulation_steps=2" in e.remedy for e in events)

@@ -92,6 +92,12 @@ def test_backward_outside_accumulate_is_named_with_the_fix():
         assert result.epoch_ends == [(5, 2), (10, 5)]  # the loop counts every micro-batch, the engine every G-th
     else:  # accelerate >= 1.8: sync_gradients stays True, so the engine updates on every micro-batch
         assert result.epoch_ends == [(5, 5), (10, 10)] and "the engine updates on every micro-batch" in notes[0]
+    assert notes[0].count(" while ") <= 1 and "; put the forward, backward" in notes[0]  # one sentence, read once
+    events = result.watch.report.events
+    assert len(events) == (5 if DRIFTS else 0)  # the drift grows at every second micro-batch: +1 .. +5
+    assert all(e.cause.name == "OUTSIDE_ACCUMULATE" and "inside `with accelerator.accumulate" in e.remedy
+               for e in events)
+    assert not any("please report" in m for m in result.watch.report.forecast_mismatches)
 
 
 def test_metrics_go_through_accelerator_log():

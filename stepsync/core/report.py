@@ -28,6 +28,7 @@ class Cause(str, Enum):
     PARTIAL_WINDOW = "partial window at an epoch end"
     TINY_EPOCH = "tiny epoch (N <= G)"
     ENGINE_AHEAD = "engine ahead (its windows cross epoch ends)"
+    OUTSIDE_ACCUMULATE = "backward outside accelerator.accumulate()"
     UNEXPLAINED = "unexplained"
 
 

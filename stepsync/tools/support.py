@@ -161,7 +161,8 @@ def load(directory: str) -> Dict[str, dict]:
 
 
 CAUSE_WORDS = {"PARTIAL_WINDOW": "partial window", "TINY_EPOCH": "tiny epoch", "ENGINE_AHEAD": "engine ahead",
-               "INHERITED": "inherited", "UNEXPLAINED": "unexplained"}
+               "INHERITED": "inherited", "OUTSIDE_ACCUMULATE": "backward outside accumulate()",
+               "UNEXPLAINED": "unexplained"}
 
 
 def _cell(result: dict, case: Case) -> str:

@@ -315,6 +315,7 @@ class StepSyncCallback(*_CALLBACK_BASES):
             n = None
         run = self._run = RunTracker(self, engine, behaviour, n, g, start_epoch, skip, _is_main(args, state))
         run.plan, run.state = plan, state
+        self._serve_a_generation_buffer(args, run)
         self._observing = True
         self.report.active = True
         self.report.planned_steps = state.max_steps
@@ -334,6 +335,22 @@ class StepSyncCallback(*_CALLBACK_BASES):
             resume.continue_from(run, record)
         run.check(state.global_step, "train_begin",
                   REUSED_ENGINE_REMEDY if state.global_step == 0 else INHERITED_REMEDY)
+
+    def _serve_a_generation_buffer(self, args, run: RunTracker) -> None:
+        """TRL's GRPO-style Trainers serve micro-batches from a buffer of ``steps_per_generation`` of them: one
+        that is not a multiple of G cuts windows across generations, and ending an epoch early only shifts the
+        buffer (what goes untrained is not the epoch's tail)."""
+        per_generation = getattr(args, "steps_per_generation", None)
+        if not isinstance(per_generation, int) or per_generation <= 1 or per_generation % run.g == 0:
+            return
+        fix = (f"set steps_per_generation to a multiple of gradient_accumulation_steps={run.g} (it is "
+               f"{per_generation})")
+        run.remedy = f"{run.remedy}; or {fix}"
+        if self.policy is Policy.DROP_LAST:
+            raise StepSyncConfigError(
+                f"policy 'drop_last' cannot drop the right micro-batches here: this Trainer serves them from a "
+                f"generation buffer of steps_per_generation={per_generation}, so ending an epoch early shifts the "
+                f"buffer and other micro-batches go untrained; {fix}, or use policy='sync'")
 
     def _agree_on_the_start(self, trainer, state, before: tuple, failure: Optional[Exception]) -> None:
         """One collective before the first micro-batch: every rank steers this run the same way, or none does.

@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 
 from ..core.choices import Policy
 from ..core.forecast import RunPlan, forecast
-from ..core.report import StepSyncConfigError, SyncReport
+from ..core.report import Cause, StepSyncConfigError, SyncReport
 from ..core.versions import EngineBoundary, PlannedSteps, Stack, TrainerRule, behaviour_of
 from ..display.output import ConsoleOutput
 from .engine import BoundaryOverride, is_engine
@@ -32,10 +32,13 @@ REFUSED = {
     Policy.DROP_LAST: "policy 'drop_last' cannot end your dataloader's epochs early: use policy='sync', or drop "
                       "the partial window in your loop",
 }
-OUTSIDE_ACCUMULATE = ("accelerator.backward() ran outside `with accelerator.accumulate(model):` while "
-                      "gradient_accumulation_steps={g}: there sync_gradients stays True, so {effect} while a "
-                      "loop that counts every G-th micro-batch does not; put the forward, backward and "
-                      "optimizer step inside `with accelerator.accumulate(model):`")
+OUTSIDE_ACCUMULATE = ("accelerator.backward() ran outside `with accelerator.accumulate(model):` with "
+                      "gradient_accumulation_steps={g}: there sync_gradients stays True, so {effect}; put the "
+                      "forward, backward and optimizer step inside `with accelerator.accumulate(model):`")
+OUTSIDE_EFFECT = {
+    True: "the engine updates on every micro-batch, not every G-th",
+    False: "your loop counts every micro-batch as an update while the engine updates every G-th",
+}
 
 
 class LoopWatch:
@@ -142,10 +145,10 @@ class LoopWatch:
         self._counts_update = bool(self.accelerator.sync_gradients)
         if not self._inside_accumulate and run.g > 1 and not self._said_outside:
             self._said_outside = True
-            effect = ("the engine updates on every micro-batch"
-                      if run.behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER
-                      else "your loop counts every micro-batch as an update while the engine updates every G-th")
+            effect = OUTSIDE_EFFECT[run.behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER]
             run.warn(OUTSIDE_ACCUMULATE.format(g=run.g, effect=effect))
+            run.known_cause = Cause.OUTSIDE_ACCUMULATE
+            run.remedy = "put the forward, backward and optimizer step inside `with accelerator.accumulate(model):`"
         if self._override is not None:
             self._override.set(self._counts_update)  # accelerate 1.8's fix: the engine follows sync_gradients
 

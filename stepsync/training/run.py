@@ -31,13 +31,16 @@ class RunTracker:
         engine_steps_seen: ``engine.global_steps`` after the last micro-batch.
         since_engine_update: micro-batches the engine accumulated since its last update.
         last_drift: the drift at the last check (the one an event changes).
+        remedy: what each drift event tells the user to do (the stack's remedy, plus what the framework adds).
+        known_cause: why the counters part, once the adapter has seen it (for instance a backward outside
+            ``accumulate()``); None until then.
         plan: what the forecast was made from (None when the dataloader has no length).
         state: the Trainer's ``TrainerState`` (None for a custom loop).
     """
 
     __slots__ = ("owner", "engine", "facts", "behaviour", "n", "g", "is_main", "report", "epoch", "start_epoch",
                  "skip", "position", "micro_batches", "t_before_epoch", "engine_steps_seen", "since_engine_update",
-                 "plan", "state", "last_drift")
+                 "plan", "state", "last_drift", "remedy", "known_cause")
 
     def __init__(self, owner: Any, engine: Any, behaviour: StackBehaviour, n: Optional[int], g: int,
                  start_epoch: int = 0, skip: int = 0, is_main: bool = True) -> None:
@@ -60,6 +63,8 @@ class RunTracker:
         self.plan: Optional[RunPlan] = None
         self.state: Any = None
         self.last_drift = 0
+        self.remedy = behaviour.remedy
+        self.known_cause: Optional[Cause] = None
 
     # ------------------------------------------------------------ messages
 
@@ -145,7 +150,7 @@ class RunTracker:
             engine_steps=self.engine_steps_seen,
             previous_drift=self.last_drift,
             cause=self._cause(where, drift),
-            remedy=remedy or self.behaviour.remedy,
+            remedy=remedy or self.remedy,
             where=where,
             counter=getattr(self.owner, "counter", "Trainer global_step"),
         )
@@ -161,6 +166,8 @@ class RunTracker:
             return Cause.INHERITED
         if drift < self.last_drift:
             return Cause.ENGINE_AHEAD
+        if self.known_cause is not None:
+            return self.known_cause
         if self.n is not None and self.position == self.n:
             return Cause.TINY_EPOCH if self.n <= self.g else Cause.PARTIAL_WINDOW
         return Cause.UNEXPLAINED
@@ -181,7 +188,8 @@ class RunTracker:
             text = f"epoch {epoch}: counts {seen[0]}/{seen[1]} differ from the forecast {expected}"
             self.report.forecast_mismatches.append(text)
             if len(self.report.forecast_mismatches) == 1 and self.is_main:
-                logger.warning("stepsync: %s; please report this stack", text)
+                why = f"because of the {self.known_cause.value}" if self.known_cause else "please report this stack"
+                logger.warning("stepsync: %s; %s", text, why)
 
     # ------------------------------------------------------------ start and end
 
