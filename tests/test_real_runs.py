@@ -232,3 +232,20 @@ def test_resumed_drifted_checkpoint_reports_inherited_drift(tmp_path):
     else:
         assert report.inherited_drift == 0
     assert forecast_counts(resumed) == resumed.recording.epoch_ends
+
+
+def test_realign_logs_the_mean_loss_of_the_windows_it_merges(tmp_path):
+    """realign moves the Trainer's count back at an epoch's partial window; the next logged loss covers two of
+    the Trainer's windows and must be their mean, as the Trainer logs without stepsync (never their sum)."""
+    def losses(policy):
+        result = run(tmp_path / policy, 5, 2, 3, policy=policy)
+        assert result.error is None
+        return [record["loss"] for record in result.trainer.state.log_history if "loss" in record]
+
+    windows = losses("warn")  # logging_steps=1: one loss per Trainer window, 3 per epoch
+    realigned = losses("realign")
+    if DRIFTS:  # the partial window of epoch 1 is logged with the next one; the run ends at the engine's 7th
+        expected = windows[:2] + [(windows[2] + windows[3]) / 2] + windows[4:8]
+    else:
+        expected = windows
+    assert realigned == pytest.approx(expected, rel=1e-5)

@@ -314,7 +314,7 @@ class StepSyncCallback(*_CALLBACK_BASES):
         else:
             n = None
         run = self._run = RunTracker(self, engine, behaviour, n, g, start_epoch, skip, _is_main(args, state))
-        run.plan, run.state = plan, state
+        run.plan, run.state, run.trainer = plan, state, trainer
         self._serve_a_generation_buffer(args, run)
         self._observing = True
         self.report.active = True

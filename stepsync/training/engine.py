@@ -83,6 +83,18 @@ def set_global_step(trainer: Any, state: Any, value: int) -> None:
     state.global_step = value
 
 
+def move_global_step_back(trainer: Any, state: Any, value: int) -> None:
+    """Set ``state.global_step`` back to ``value`` in the middle of training, keeping the logged loss a mean.
+
+    The Trainer logs the loss summed since its last log divided by ``global_step - _globalstep_last_logged``;
+    a count moved back would shrink that divisor while the sum keeps every window, so the mark moves back too.
+    """
+    mark = getattr(trainer, "_globalstep_last_logged", None)
+    if isinstance(mark, int) and not isinstance(mark, bool):
+        trainer._globalstep_last_logged = mark - (state.global_step - value)
+    state.global_step = value
+
+
 def spread_across_ranks(trainer: Any, values: Sequence[int]) -> List[Tuple[int, int]]:
     """(lowest, highest) of each of ``values`` over every rank of the run: one all-reduce, on every rank.
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from ..core import rules
 from ..core.choices import Policy
-from .engine import BoundaryOverride
+from .engine import BoundaryOverride, move_global_step_back
 from ..core.forecast import forecast
 from ..core.report import StepDriftError, StepSyncConfigError
 from ..core.versions import EngineBoundary
@@ -101,7 +101,7 @@ class RealignAction(PolicyAction):
         self.engine_at_last_step_end = engine_steps
         if state.global_step == engine_steps:
             return
-        state.global_step = engine_steps
+        move_global_step_back(run.trainer, state, engine_steps)
         run.report.corrections += 1
         # DefaultFlowCallback decided logging/saving on the Trainer's count: decide again on the engine's.
         for flag in self._FLOW_FLAGS:
@@ -113,7 +113,7 @@ class RealignAction(PolicyAction):
 
     def at_epoch_end(self, run, args, state, control) -> None:
         if state.global_step != run.engine_steps_seen:
-            state.global_step = run.engine_steps_seen
+            move_global_step_back(run.trainer, state, run.engine_steps_seen)
             run.report.corrections += 1
 
 

@@ -36,11 +36,12 @@ class RunTracker:
             ``accumulate()``); None until then.
         plan: what the forecast was made from (None when the dataloader has no length).
         state: the Trainer's ``TrainerState`` (None for a custom loop).
+        trainer: the Trainer (None for a custom loop).
     """
 
     __slots__ = ("owner", "engine", "facts", "behaviour", "n", "g", "is_main", "report", "epoch", "start_epoch",
                  "skip", "position", "micro_batches", "t_before_epoch", "engine_steps_seen", "since_engine_update",
-                 "plan", "state", "last_drift", "remedy", "known_cause")
+                 "plan", "state", "trainer", "last_drift", "remedy", "known_cause")
 
     def __init__(self, owner: Any, engine: Any, behaviour: StackBehaviour, n: Optional[int], g: int,
                  start_epoch: int = 0, skip: int = 0, is_main: bool = True) -> None:
@@ -62,6 +63,7 @@ class RunTracker:
         self.since_engine_update = 0
         self.plan: Optional[RunPlan] = None
         self.state: Any = None
+        self.trainer: Any = None
         self.last_drift = 0
         self.remedy = behaviour.remedy
         self.known_cause: Optional[Cause] = None
