@@ -18,6 +18,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "twonode_runs.py")
 TWO_NODE_CASES = ["warn-shared", "sync-shared-each-node", "sync-node-dirs", "realign-shared-each-node",
                   "raise-shared", "realign-fault-node1", "drop_last-fault-node1"]
 ONE_NODE_CASES = ["realign-fault-rank0", "drop_last-fault-rank0"]
+RESUME_CASES = ["resume-apart"]
 TIMEOUT = 540  # a rank left waiting in a collective fails the test instead of hanging CI
 
 
@@ -63,12 +64,12 @@ def by_case(text):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("nodes")
-    nodes = launch(out, TWO_NODE_CASES, 2)
+    nodes = launch(out, TWO_NODE_CASES + RESUME_CASES, 2)
     one_node = launch(out, ONE_NODE_CASES, 1)
     for rc, stdout, stderr in nodes + one_node:
         assert rc == 0, stdout[-3000:] + stderr[-5000:]
     ranks = {case: [json.load(open(out / case / f"rank-{r}.json")) for r in (0, 1)]
-             for case in TWO_NODE_CASES + ONE_NODE_CASES}
+             for case in TWO_NODE_CASES + ONE_NODE_CASES + RESUME_CASES}
     screens = [{case: by_case(stdout).get(case, "") + by_case(stderr).get(case, "") for case in TWO_NODE_CASES}
                for _, stdout, stderr in nodes]
     return ranks, screens
@@ -147,3 +148,17 @@ def test_messages_go_where_the_trainers_logs_go(runs, case):
     assert screens[1][case].count("stepsync summary") == (1 if each_node else 0)
     if not each_node:
         assert "stepsync" not in screens[1][case].replace("stepsync/", "")
+
+
+def test_ranks_that_resume_from_checkpoints_that_differ_stop_together_before_any_micro_batch(runs):
+    """Node 1's record write failed at checkpoint-2, so its trainer_state.json holds another count than node 0's:
+    the Trainers would skip different micro-batches. Both ranks stop before the first one, with the fix."""
+    a, b = runs[0]["resume-apart"]
+    if not DRIFTS:  # nothing moved the count off the data position: both checkpoints say the same, both resume
+        assert a["error"] is b["error"] is None and a["engine_updates_at"] == b["engine_updates_at"] != []
+        return
+    for rank in (a, b):
+        assert rank["error"] == "StepSyncConfigError"
+        assert "the ranks resumed at different points (global_step 2..3" in rank["error_message"]
+        assert "copy node 0's" in rank["error_message"]
+        assert rank["engine_updates_at"] == [] and rank["trainer_updates_at"] == []

@@ -26,6 +26,8 @@ CASES = {
     "raise-shared": ("raise", 2, False, False, True, None),
     "realign-fault-node1": ("realign", 3, True, True, True, (1, 2)),
     "drop_last-fault-node1": ("drop_last", 3, True, True, True, (1, 2)),
+    # The node-1 fault left its checkpoint-2/trainer_state.json at another count than node 0's: resume both.
+    "resume-apart": ("realign", 3, True, True, True, (1, 2)),
     "realign-fault-rank0": ("realign", 3, False, False, True, (0, 2)),
     "drop_last-fault-rank0": ("drop_last", 3, False, False, True, (0, 2)),
 }
@@ -46,6 +48,17 @@ def fail_record_writes(at_checkpoint: int):
     return lambda: setattr(checkpoint, "save_record", real)
 
 
+def resume_apart(output_dir: str, node: int):
+    """Resume each node from its own checkpoint-2 (node 1 given node 0's 'latest', as inspect says)."""
+    import shutil
+
+    checkpoint = os.path.join(output_dir, "checkpoint-2")
+    if node == 1:
+        shutil.copy(os.path.join(os.path.dirname(output_dir), "node-0", "checkpoint-2", "latest"), checkpoint)
+    return run_tiny(output_dir + "-resumed", samples=6, gas=2, epochs=3, callback=StepSyncCallback("realign"),
+                    save_on_each_node=True, resume_from_checkpoint=checkpoint)
+
+
 def run_case(out_dir: str, name: str) -> None:
     from stepsync.tools.audit import audit_output_dir
 
@@ -63,6 +76,8 @@ def run_case(out_dir: str, name: str) -> None:
     finally:
         if restore is not None:
             restore()
+    if name == "resume-apart":
+        result = resume_apart(output_dir, node)
     summary = result_summary(result)
     summary.update(
         max_steps=result.trainer.state.max_steps, checks=result.recording.checks, saves=result.recording.saves,
