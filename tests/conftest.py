@@ -6,7 +6,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-# Reliability cases (issue 6): tests marked reliability("fault"), ("bad_input"), ("differs") or ("resume")
+# Reliability cases: tests marked reliability("fault"), ("bad_input"), ("differs") or ("resume")
 # are counted by outcome, and the count is printed at the end of every run.
 KINDS = ("fault", "bad_input", "differs", "resume")
 _outcomes: Counter = Counter()

@@ -1,4 +1,4 @@
-"""The package's layers (issue 16): core <- display <- training <- tools, arrows pointing inward, no cycle.
+"""The package's layers: core <- display <- training <- tools, arrows pointing inward, no cycle.
 
 Read from the source with ast: the imports each module makes when it is loaded (function-level imports and
 ``if TYPE_CHECKING:`` blocks are not loads), resolved to stepsync modules.

@@ -1,4 +1,4 @@
-"""stepsync.watch on custom accelerate + DeepSpeed loops (issue 17): real accelerate, real DeepSpeed, CPU.
+"""stepsync.watch on custom accelerate + DeepSpeed loops: real accelerate, real DeepSpeed, CPU.
 
 The loops are shaped like transformers' run_clm_no_trainer.py; each records its own count and the engine's
 after every micro-batch (stepsync.tools.testing.run_loop), and stepsync's report must equal that record.

@@ -1,4 +1,4 @@
-"""A newcomer's first hour (issue 14): install, find the command line, read output that fits a log, trust check."""
+"""A newcomer's first hour: install, find the command line, read output that fits a log, trust check."""
 import io
 import json
 import logging

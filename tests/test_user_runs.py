@@ -1,4 +1,4 @@
-"""Runs built the way users build them, checked against the truth recorded beside stepsync (issue 13).
+"""Runs built the way users build them, checked against the truth recorded beside stepsync.
 
 The cases are chosen pairwise over the settings that touch counting and checkpoints: every pair of
 settings appears in some case. Each case runs the real Trainer and the real DeepSpeed engine on CPU, on
