@@ -87,7 +87,7 @@ def corrupt(run_dirs, tmp_path, how):
 
 @pytest.mark.reliability("bad_input")
 @pytest.mark.parametrize("how, message", [
-    ("no latest", "global_step folders but no 'latest' file"),
+    ("no latest", "but no 'latest' file: DeepSpeed's save did not finish"),
     ("bad trainer_state", "is not valid JSON"),
     ("empty folder", "is empty: the save did not complete"),
     ("a file", "is not a directory"),
