@@ -18,17 +18,10 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
 POLICIES = ("warn", "raise", "sync", "realign", "drop_last")
 PER_MICRO_BATCH = ("on_substep_end", "on_step_end", "on_log")
 ONCE_OR_PER_EPOCH = ("on_train_begin", "on_epoch_begin", "on_epoch_end", "on_train_end")
 GOALS = {"hook_median_us": 2.0, "throughput_ratio": 0.995, "check_s": 0.3, "forecast_ms": 10.0}
-
-
-def percentile(values, q):
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class TimedCallback:
@@ -84,7 +77,7 @@ def measure_hooks(samples: int, gas: int, runs: int, logging_steps: int):
     from transformers import TrainerCallback
 
     from stepsync import StepSyncCallback
-    from stepsync.tools.testing import run_tiny
+    from stepsync.tools.tiny_run import run_tiny
 
     overhead = timer_overhead_ns()
     rows, shares = [], {}
@@ -99,9 +92,8 @@ def measure_hooks(samples: int, gas: int, runs: int, logging_steps: int):
             clock = loop_clock()
             # raise would stop at the first divergence: give it an aligned run (N a multiple of G)
             n = samples - samples % gas if policy == "raise" else samples
-            result = run_tiny(tempfile.mkdtemp(), samples=n, gas=gas, epochs=1, callback=callback,
-                              extra_callbacks=[noop, clock], log_level="error", disable_tqdm=True,
-                              logging_steps=logging_steps)
+            result = run_tiny(tempfile.mkdtemp(), samples=n, gas=gas, epochs=1, callbacks=[noop, clock, callback],
+                              log_level="error", disable_tqdm=True, logging_steps=logging_steps)
             assert result.error is None, result.error
             # Every nanosecond stepsync's hooks took in this run, over the run's training loop.
             spent = sum(sum(values) for values in timed.samples.values())
@@ -113,7 +105,7 @@ def measure_hooks(samples: int, gas: int, runs: int, logging_steps: int):
         for name, values in collected.items():
             if values:
                 rows.append((policy, name, len(values), statistics.median(values) / 1000,
-                             percentile(values, 0.99) / 1000, statistics.median(baseline[name]) / 1000))
+                             statistics.quantiles(values, n=100)[98] / 1000, statistics.median(baseline[name]) / 1000))
     return overhead, rows, {policy: statistics.median(values) for policy, values in shares.items()}
 
 
@@ -122,7 +114,7 @@ def measure_warm_hooks(calls: int):
     from transformers import TrainerCallback
 
     from stepsync import StepSyncCallback
-    from stepsync.tools.testing import run_tiny
+    from stepsync.tools.tiny_run import run_tiny
 
     import logging
 
@@ -131,7 +123,7 @@ def measure_warm_hooks(calls: int):
     rows = []
     for policy in POLICIES:
         callback = StepSyncCallback(policy, console=False)
-        result = run_tiny(tempfile.mkdtemp(), samples=8, gas=4, epochs=1, callback=callback, log_level="error")
+        result = run_tiny(tempfile.mkdtemp(), samples=8, gas=4, epochs=1, callbacks=[callback], log_level="error")
         trainer = result.trainer
         kwargs = dict(model=trainer.model, processing_class=None, optimizer=trainer.optimizer,
                       lr_scheduler=trainer.lr_scheduler, train_dataloader=None, eval_dataloader=None)
@@ -152,16 +144,16 @@ def measure_warm_hooks(calls: int):
 
 def measure_throughput(samples: int, gas: int, pairs: int):
     from stepsync import StepSyncCallback
-    from stepsync.tools.testing import run_tiny
+    from stepsync.tools.tiny_run import run_tiny
 
     def one(policy):
         clock = loop_clock()
         n = samples - samples % gas if policy == "raise" else samples
-        callback = StepSyncCallback(policy, console=False) if policy else None
-        result = run_tiny(tempfile.mkdtemp(), samples=n, gas=gas, epochs=1, callback=callback,
-                          extra_callbacks=[clock], log_level="error", disable_tqdm=True, logging_steps=10**9)
+        callbacks = [clock, StepSyncCallback(policy, console=False)] if policy else [clock]
+        result = run_tiny(tempfile.mkdtemp(), samples=n, gas=gas, epochs=1, callbacks=callbacks, log_level="error",
+                          disable_tqdm=True, logging_steps=10**9)
         assert result.error is None, result.error
-        return len(result.recording.engine_steps) / (clock.nanoseconds / 1e9)  # micro-batches per second
+        return n / (clock.nanoseconds / 1e9)  # micro-batches per second (batch 1, one epoch)
 
     one(None)  # warm caches and the compiled op
     rows = []
@@ -178,7 +170,6 @@ def measure_throughput(samples: int, gas: int, pairs: int):
 def measure_cli(repeats: int):
     python = sys.executable
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     check = [python, "-m", "stepsync", "check", "--samples", "1000", "--gas", "4", "--epochs", "3", "--json"]
     times = []
     for _ in range(repeats):
@@ -223,7 +214,7 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args(argv)
 
-    from stepsync.tools.testing import cpu_distributed_env
+    from stepsync.tools.tiny_run import cpu_distributed_env
     from stepsync.core.versions import Stack
 
     cpu_distributed_env()
@@ -240,7 +231,7 @@ def main(argv=None) -> int:
     for policy, name, calls, median, p99, noop in hooks:
         net = median - noop
         print(f"{policy:<10} {name:<15} {calls:>6} {median:>10.2f} {p99:>8.2f} {noop:>9.2f} {net:>7.2f}")
-        if name != "on_log" and net > GOALS["hook_median_us"]:
+        if policy != "sync" and net > GOALS["hook_median_us"]:  # sync's goal is its throughput share
             failures.append(f"{policy} {name} net median {net:.2f} us > {GOALS['hook_median_us']} us")
 
     print("\n(b) throughput with stepsync / without, from the same runs: 1 - (time in all of stepsync's hooks, "

@@ -1,7 +1,7 @@
-"""Read what a probed Trainer did (probes/results.json) as the behaviours stepsync/versions.py names.
+"""Read what a probed Trainer did (probes/results.json) as the behaviours stepsync/core/versions.py names.
 
 Pure Python. scripts/probe.py uses it to find where a behaviour changes (then probes every patch release
-around the change); tests/test_versions.py checks that versions.py's release rows equal what it derives.
+around the change); tests/unit/test_versions.py checks that versions.py's release rows equal what it derives.
 """
 from typing import Dict, List, Optional, Tuple
 

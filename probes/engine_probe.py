@@ -17,7 +17,8 @@ N, G, EPOCHS = 5, 2, 2
 def run(managed=True):
     from transformers import TrainerCallback
 
-    from stepsync.tools.testing import deepspeed_config, run_tiny
+    from stepsync.tools.tiny_run import deepspeed_config
+    from harness.runs import run_tiny
 
     seen = {"step_calls": 0, "callers": set(), "micro_batches": 0}
 
@@ -67,7 +68,7 @@ def main():
     warnings.filterwarnings("ignore")
     import importlib.metadata as metadata
 
-    from stepsync.tools.testing import cpu_distributed_env
+    from stepsync.tools.tiny_run import cpu_distributed_env
 
     cpu_distributed_env()
     data = {"versions": {p: metadata.version(p) for p in ("transformers", "accelerate", "deepspeed", "torch")},

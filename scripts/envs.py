@@ -1,7 +1,8 @@
 """Build a virtual environment for one set of pins, fast, and reuse it while the pins stay the same.
 
     python3 scripts/envs.py build PATH AS_OF REQUIREMENT...    prints PATH when it is ready
-    python3 scripts/envs.py stack NAME                         a test stack of stepsync/support.py, in .stacks/NAME
+    python3 scripts/envs.py stack NAME                         a test stack of tests/harness/matrix.py, in .stacks/NAME
+    python3 scripts/envs.py tools PATH REQUIREMENT...          a small environment of tools (no torch), e.g. linters
 
 - uv installs everything when it is on PATH (seconds per environment); pip is the fallback.
 - torch is the CPU build 2.13.0: the local wheel that pip's find-links names, else ``pip install torch==2.13.0``
@@ -114,6 +115,24 @@ def build(path, as_of, requirements, editable=None):
     return path
 
 
+def tools(path, requirements):
+    """An environment of ``requirements`` only (no torch), reused while they stay the same."""
+    tool = installer()
+    stamp = os.path.join(path, ".stepsync-env-" + stamp_of(list(requirements), "tools", tool))
+    if os.path.exists(stamp):
+        return path
+    shutil.rmtree(path, ignore_errors=True)
+    python = os.path.join(path, "bin", "python")
+    if tool == "uv":
+        _run([*uv_command(), "venv", "-q", "-p", sys.executable, path])
+        _run([*uv_command(), "pip", "install", "-q", "-p", python, *requirements])
+    else:
+        _run([sys.executable, "-m", "venv", path])
+        _run([python, "-m", "pip", "install", "-q", *requirements])
+    open(stamp, "w").close()
+    return path
+
+
 def _install_editable(path, project):
     """Install ``project`` -e, no dependencies; again whenever its setup.cfg changes (entry points, packages)."""
     with open(os.path.join(project, "setup.cfg"), "rb") as handle:
@@ -130,8 +149,8 @@ def _install_editable(path, project):
 
 
 def stack(name):
-    """Build the test stack ``name`` of stepsync/support.py into .stacks/NAME, with stepsync installed -e."""
-    from stepsync.tools import support  # pure Python: no torch, no transformers
+    """Build the test stack ``name`` of tests/harness/matrix.py into .stacks/NAME, with stepsync installed -e."""
+    from harness import matrix as support  # pure Python: no torch, no transformers
 
     spec = support.spec(name)
     return build(os.path.join(ROOT, ".stacks", name), spec.as_of, spec.requirements(), editable=ROOT)
@@ -141,8 +160,11 @@ def main(argv):
     if len(argv) >= 3 and argv[0] == "build":
         print(build(argv[1], argv[2], argv[3:]))
         return 0
+    if len(argv) >= 3 and argv[0] == "tools":
+        print(tools(argv[1], argv[2:]))
+        return 0
     if argv == ["stack", "--list"]:
-        from stepsync.tools import support
+        from harness import matrix as support
 
         print(" ".join(s.name for s in support.STACKS))
         return 0

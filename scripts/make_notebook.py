@@ -4,6 +4,7 @@ import tempfile
 
 import nbformat as nbf
 from nbclient import NotebookClient
+
 md = nbf.v4.new_markdown_cell
 code = nbf.v4.new_code_cell
 cells = [
@@ -13,7 +14,7 @@ With DeepSpeed and `gradient_accumulation_steps=G > 1`, the Trainer decides wher
 and DeepSpeed decides it again with its own micro-step counter. That counter never restarts at an epoch.
 When an epoch's micro-batch count N is not a multiple of G, the two disagree. The Trainer's `state.global_step`
 (logging, saving, `max_steps`, checkpoint names) then drifts from `engine.global_steps` (the real updates and the
-learning-rate schedule). The seed's case: G=2, N=3, 2 epochs, transformers 5.24 with accelerate 1.7. The Trainer
+learning-rate schedule). The smallest case: G=2, N=3, 2 epochs, transformers 5.24 with accelerate 1.7. The Trainer
 counts 4 updates, DeepSpeed makes 3.
 
 This notebook runs on CPU: a tiny GPT-2 built from a config, the real Trainer, the real DeepSpeed engine.
@@ -30,32 +31,56 @@ print(predicted.verdict())
 [(row.epoch, row.trainer_steps, row.engine_steps) for row in predicted.epochs]"""),
 md("## 2. A real run that drifts (stepsync only watches: policy `warn`)"),
 code("""import logging, tempfile
+from transformers import TrainerCallback
 from stepsync import StepSyncCallback
-from stepsync.tools.testing import run_tiny
+from stepsync.tools.tiny_run import run_tiny
+
+
+class Counters(TrainerCallback):
+    \"\"\"Both counters after every micro-batch, read from the Trainer's state and its DeepSpeed engine.\"\"\"
+
+    def __init__(self):
+        self.trainer_steps, self.engine_steps, self.trainer = [], [], None
+
+    def watch(self, trainer):
+        self.trainer = trainer
+
+    def _read(self, state):
+        self.trainer_steps.append(state.global_step)
+        self.engine_steps.append(self.trainer.model_wrapped.global_steps)
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self._read(state)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._read(state)
+
+
+def counted_run(policy):
+    counters, sync = Counters(), StepSyncCallback(policy, console=False)
+    run_tiny(tempfile.mkdtemp(), samples=3, gas=2, epochs=2, log_level="error", logging_strategy="no",
+             callbacks=[counters, sync], on_trainer=counters.watch)
+    return counters, sync.report
+
 
 logging.getLogger("stepsync").setLevel(logging.ERROR)  # the report below says it all
-watched = run_tiny(tempfile.mkdtemp(), samples=3, gas=2, epochs=2, log_level="error", logging_strategy="no",
-                   callback=StepSyncCallback("warn", console=False))
-report = watched.callback.report
+watched, report = counted_run("warn")
 print(f"Trainer {report.trainer_steps}, engine {report.engine_steps}, drift {report.drift:+d}")
 for event in report.events:
     print(event.message())
-assert watched.recording.epoch_ends == [(r.trainer_steps, r.engine_steps) for r in predicted.epochs]"""),
+assert [(r.trainer_steps, r.engine_steps) for r in report.epochs] == [(r.trainer_steps, r.engine_steps) for r in predicted.epochs]"""),
 md("## 3. The same run with `policy=\"sync\"`: DeepSpeed updates where the Trainer counts"),
-code("""synced = run_tiny(tempfile.mkdtemp(), samples=3, gas=2, epochs=2, log_level="error", logging_strategy="no",
-                  callback=StepSyncCallback("sync", console=False))
-print(f"Trainer {synced.trainer.state.global_step}, engine {synced.engine.global_steps}, "
-      f"drift {synced.callback.report.drift:+d}")
-assert synced.recording.engine_updates_at == synced.recording.trainer_updates_at
-assert synced.callback.report.drift == 0"""),
+code("""synced, synced_report = counted_run("sync")
+print(f"Trainer {synced.trainer_steps[-1]}, engine {synced.engine_steps[-1]}, drift {synced_report.drift:+d}")
+assert synced.trainer_steps == synced.engine_steps and synced_report.drift == 0"""),
 md("## 4. Both counters against micro-batches"),
 code("""import matplotlib.pyplot as plt
 
 fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=100, sharey=True)
 for ax, (title, result) in zip(axes, [("without a remedy (policy 'warn')", watched), ("policy 'sync'", synced)]):
-    steps = range(1, len(result.recording.trainer_steps) + 1)
-    ax.step(steps, result.recording.trainer_steps, where="post", linewidth=2.5, label="Trainer global_step")
-    ax.step(steps, result.recording.engine_steps, where="post", linewidth=2.5, linestyle="--",
+    steps = range(1, len(result.trainer_steps) + 1)
+    ax.step(steps, result.trainer_steps, where="post", linewidth=2.5, label="Trainer global_step")
+    ax.step(steps, result.engine_steps, where="post", linewidth=2.5, linestyle="--",
             label="engine global_steps")
     ax.set_title(title, fontsize=13)
     ax.set_xlabel("micro-batch", fontsize=12)

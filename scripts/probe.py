@@ -1,6 +1,6 @@
 """Probe every transformers minor release (latest patch of each, 4.24 to the newest that installs) and store
 what its Trainer really does in probes/results.json. Rerun it when new releases come out; then the test
-tests/test_versions.py says which rows of stepsync/versions.py the new data contradicts.
+tests/unit/test_versions.py says which rows of stepsync/core/versions.py the new data contradicts.
 
     python3 scripts/probe.py                 the latest patch of every minor release from 4.24 (the list comes
                                              from PyPI), then every patch of a minor where a behaviour changes
@@ -125,7 +125,7 @@ def probe_engines(names):
             out = os.path.join(path, "engine.json")
             env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                        TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
-            env.pop("TORCH_EXTENSIONS_DIR", None)  # one compiled op per DeepSpeed release (stepsync.tools.testing)
+            env.pop("TORCH_EXTENSIONS_DIR", None)  # one compiled op per DeepSpeed release (stepsync.tools.tiny_run)
             done = subprocess.run([os.path.join(path, "bin", "python"), os.path.join(ROOT, "probes", "engine_probe.py"),
                                    out], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                   timeout=900)

@@ -13,7 +13,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from stepsync.tools import support  # noqa: E402
+from harness import matrix as support  # noqa: E402
 
 STORE = os.path.join(ROOT, "tests", "support")
 

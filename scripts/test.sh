@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command: build every stack of the matrix (stepsync/tools/support.py; once, in .stacks/, with uv),
+# The test command: lint and type-check the package, build every stack of the matrix (tests/harness/matrix.py; once, in .stacks/, with uv),
 # run the full suite on the two newest (drifting, aligned) and the focused set on the others, printing each
 # stack's build and test time.
 # Usage: bash scripts/test.sh [pytest args]   STEPSYNC_STACKS="drifting aligned" limits the stacks.
@@ -8,6 +8,9 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 command -v uv >/dev/null || python3 -m pip install -q uv || echo "uv could not be installed: building with pip" >&2
 status=0
+start=$(date +%s)
+bash scripts/lint.sh || status=1
+echo "=== lint and type check (ruff, mypy): $(( $(date +%s) - start )) s"
 # The drifting stack's numerical test compares with the aligned stack: build that first.
 start=$(date +%s)
 export STEPSYNC_ALIGNED_PYTHON="$(bash scripts/stack.sh aligned)/bin/python"
@@ -23,11 +26,12 @@ for stack in ${STEPSYNC_STACKS:-$(bash scripts/stack.sh --list)}; do
   built=$(date +%s)
   case "$stack" in
     drifting|aligned) tests=(tests) ;;
-    *) tests=(tests/test_support.py tests/test_forecast.py tests/test_versions.py tests/test_user_runs.py
-              tests/test_loops_two_processes.py) ;;
+    *) tests=(tests/unit/test_forecast.py tests/unit/test_versions.py tests/unit/test_run.py
+              tests/integration/test_support.py tests/integration/test_user_runs.py
+              tests/multiprocess/test_loops_two_processes.py) ;;
   esac
   # Each DeepSpeed release compiles its CPU op once, into ~/.cache/stepsync/deepspeed-VERSION
-  # (stepsync.tools.testing.cpu_distributed_env): stacks with the same release share it, others never do.
+  # (stepsync.tools.tiny_run.cpu_distributed_env): stacks with the same release share it, others never do.
   export STEPSYNC_STACK="$stack" DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
   unset TORCH_EXTENSIONS_DIR
   echo "=== stack $stack: $("$venv/bin/python" -c 'import importlib.metadata as m; print(*(p + " " + m.version(p) for p in ("transformers","accelerate","deepspeed")), sep=", ")')"

@@ -4,18 +4,19 @@
 is loaded on first use. ``StepSyncCallback`` needs transformers (the training environment); the
 forecast, the report and the command line's ``check`` and ``inspect`` do not.
 """
-from ._version import __version__
+from ._version import __version__ as __version__
 
 # public name -> the module that defines it (loaded on first use)
 _PUBLIC = {
     "Policy": "core.choices",
-    "EpochForecast": "core.forecast", "Forecast": "core.forecast", "RunPlan": "core.forecast",
-    "forecast": "core.forecast",
-    "Cause": "core.report", "DriftEvent": "core.report", "StepDriftError": "core.report",
-    "StepSyncConfigError": "core.report", "SyncReport": "core.report",
+    "EpochForecast": "core.forecast", "Forecast": "core.forecast", "forecast": "core.forecast",
+    "RunPlan": "core.plan",
+    "Cause": "core.events", "DriftEvent": "core.events",
+    "StepDriftError": "core.errors", "StepSyncConfigError": "core.errors",
+    "SyncReport": "core.report",
     "Stack": "core.versions", "behaviour_of": "core.versions",
-    "StepSyncCallback": "training.callback",
-    "watch": "training.loop", "LoopWatch": "training.loop",
+    "StepSyncCallback": "trainer.callback",
+    "watch": "accelerate.watch", "LoopWatch": "accelerate.watch",
 }
 
 __all__ = sorted([*_PUBLIC, "__version__"])

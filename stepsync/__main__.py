@@ -1,6 +1,11 @@
-"""``python -m stepsync``: the command line (a missing dependency is a message and exit 2, see cli.main)."""
+"""``python -m stepsync``: the command line; a missing dependency is a message and exit 2, never a traceback."""
 import sys
 
-from .tools.cli import main
+try:
+    from .tools.cli import main
+except ImportError as exc:  # run without installing stepsync's own requirements
+    print(f"stepsync: error: a package stepsync needs is missing ({exc}): pip install . (or pip install stepsync)",
+          file=sys.stderr)
+    sys.exit(2)
 
 sys.exit(main())

@@ -1,20 +1,30 @@
+"""Shared by every test: folders say what a test is (unit/, integration/, multiprocess/), and the reliability
+cases are counted at the end of every run."""
 import os
-import sys
 from collections import Counter
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Child processes (scripts, torchrun ranks) import the harness as the tests do.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
 
-# Reliability cases: tests marked reliability("fault"), ("bad_input"), ("differs") or ("resume")
-# are counted by outcome, and the count is printed at the end of every run.
+# Tests marked reliability("fault"), ("bad_input"), ("differs") or ("resume") are counted by outcome.
 KINDS = ("fault", "bad_input", "differs", "resume")
 _outcomes: Counter = Counter()
+FOLDER_MARKS = {"integration": ("integration",), "multiprocess": ("integration", "twoproc")}
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "reliability(kind): a fault-injection, bad-input, differing-engine or "
                                        "resume case, counted in the summary")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        folder = os.path.relpath(str(item.fspath), HERE).split(os.sep)[0]
+        for mark in FOLDER_MARKS.get(folder, ()):
+            item.add_marker(getattr(pytest.mark, mark))
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -22,7 +22,7 @@ class Policy(str, Enum):
     DROP_LAST = "drop_last"
 
     @classmethod
-    def parse(cls, value: Union[str, "Policy"]) -> "Policy":
+    def parse(cls, value: Union[str, Policy]) -> Policy:
         """``"sync"`` or ``Policy.SYNC`` -> ``Policy.SYNC``; anything else raises ``ValueError``."""
         if isinstance(value, cls):
             return value

@@ -9,55 +9,10 @@ import math
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from . import rules
+from . import explain, rules
 from .choices import Policy
-from .versions import EngineBoundary, PlannedSteps, StackBehaviour, TrainerRule
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    """What decides the counts of one run, per rank.
-
-    Attributes:
-        micro_batches_per_epoch: ``len(train_dataloader)`` on one rank (N).
-        gradient_accumulation_steps: G.
-        num_train_epochs: epochs asked for (may be fractional, as in ``TrainingArguments``).
-        max_steps: ``TrainingArguments.max_steps``; > 0 overrides the epochs.
-        trainer_steps_at_start: ``state.global_step`` when training begins (> 0 after a resume).
-        engine_steps_at_start: ``engine.global_steps`` when training begins.
-        resume_steps: the ``global_step`` the Trainer computed its resume position from, when stepsync
-            saved one that differs from ``trainer_steps_at_start`` (see :func:`resume_steps_for`).
-        examples_per_epoch: the Trainer's ``num_examples`` (the dataset's length); transformers 4.46-4.51
-            size an epoch's last window from it. None: assumed N (batch size 1).
-    """
-
-    micro_batches_per_epoch: int
-    gradient_accumulation_steps: int
-    num_train_epochs: float = 1.0
-    max_steps: int = -1
-    trainer_steps_at_start: int = 0
-    engine_steps_at_start: int = 0
-    resume_steps: Optional[int] = None
-    examples_per_epoch: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.micro_batches_per_epoch, int) or self.micro_batches_per_epoch < 1:
-            raise ValueError(
-                f"micro_batches_per_epoch must be a positive integer, got {self.micro_batches_per_epoch!r}: "
-                "pass len(train_dataloader) on one rank"
-            )
-        if not isinstance(self.gradient_accumulation_steps, int) or self.gradient_accumulation_steps < 1:
-            raise ValueError(
-                f"gradient_accumulation_steps must be an integer >= 1, got {self.gradient_accumulation_steps!r}"
-            )
-        if self.max_steps <= 0 and not (self.num_train_epochs > 0):
-            raise ValueError(f"num_train_epochs must be > 0 when max_steps is not set, got {self.num_train_epochs!r}")
-        if self.trainer_steps_at_start < 0 or self.engine_steps_at_start < 0:
-            raise ValueError("the step counts at start must be >= 0")
-        if self.examples_per_epoch is not None and (
-                not isinstance(self.examples_per_epoch, int) or self.examples_per_epoch < 1):
-            raise ValueError(f"examples_per_epoch must be a positive integer, got {self.examples_per_epoch!r}: "
-                             "pass len(train_dataset)")
+from .plan import RunPlan, planned_steps, resume_position, trainer_epoch_length, updates_per_epoch
+from .versions import EngineBoundary, StackBehaviour, TrainerRule
 
 
 @dataclass(frozen=True)
@@ -139,117 +94,16 @@ class Forecast:
         return sum(row.dropped for row in self.epochs)
 
     def ends_early(self) -> Optional[str]:
-        """Why the run ends before the epochs (or the ``max_steps``) asked for, or None when it does not.
-
-        It happens when the Trainer's plan (``max_steps`` from the epochs) disagrees with how it counts, or
-        when it cuts epochs short; only the Trainer's own plan is judged (``realign`` and ``drop_last`` end
-        where they are meant to and say so).
-        """
-        if self.policy in (Policy.REALIGN, Policy.DROP_LAST) or not self.epochs:
-            return None
-        plan, last = self.plan, self.epochs[-1]
-        counted = [row.trainer_updates for row in self.epochs]
-        per_epoch = updates_per_epoch(self.behaviour, plan.micro_batches_per_epoch, plan.gradient_accumulation_steps)
-        if all(count == per_epoch for count in counted):
-            counts = (f"its count reaches the planned max_steps={self.planned_steps} before the data of the epoch ends "
-                      "(its windows restart each epoch and the leftover micro-batches spill into the next)")
-        else:
-            counts = (f"it plans {per_epoch} update(s) per epoch ({self.planned_steps} in all) but counts "
-                      f"{_listed(counted)} in epoch(s) {self.epochs[0].epoch} to {last.epoch}")
-        cut = [row.epoch for row in self.epochs if row.cut]
-        cuts = (f"; it also cuts epoch(s) {_listed(cut)} to {self.epochs[0].micro_batches} of "
-                f"{plan.micro_batches_per_epoch} micro-batches ({self.behaviour.stack.transformers} sizes the last "
-                "window from num_examples % G)") if cut else ""
-        if plan.max_steps > 0 or not self.stopped_by_plan:
-            if self.stopped_by_plan or self.trainer_steps >= self.planned_steps:
-                return None
-            return (f"the Trainer will run out of epochs at {self.trainer_steps} update(s), before max_steps="
-                    f"{self.planned_steps}: {counts}{cuts}")
-        requested = math.ceil(plan.num_train_epochs)
-        full_epoch = plan.micro_batches_per_epoch - last.cut
-        start_epoch, start_position = resume_position(plan, self.behaviour)
-        first = start_position if last.epoch - 1 == start_epoch else 0
-        ran_to_end = first + last.micro_batches >= full_epoch
-        if last.epoch == requested and (ran_to_end or plan.num_train_epochs != requested):
-            return None
-        if ran_to_end:
-            where = f"after {last.epoch} of {requested} epochs"
-        else:
-            where = f"inside epoch {last.epoch} of {requested}, after {last.micro_batches} of its {full_epoch} micro-batches"
-        return f"the Trainer will stop {where}: {counts}{cuts}"
+        """Why the run ends before the epochs (or the ``max_steps``) asked for, in words; None when it does not."""
+        return explain.ends_early(self)
 
     def verdict(self) -> str:
         """One line: aligned, or affected with the reason and the remedy; then an early end, if any."""
-        early = self.ends_early()
-        tail = f"; and {early}" if early else ""
-        if self.aligned:
-            inherited = f" (inherited drift {self.inherited_drift:+d} stays)" if self.inherited_drift else ""
-            return (f"aligned: both sides count {self.trainer_steps} updates under policy "
-                    f"'{self.policy.value}'{inherited}{tail}")
-        reason = drift_reason(self)
-        return (
-            f"affected: the Trainer counts {self.trainer_steps} updates, the engine makes {self.engine_steps} "
-            f"(drift {self.drift:+d}); {reason}; {self.behaviour.remedy}{tail}"
-        )
+        return explain.verdict(self)
 
     def to_dict(self) -> dict:
         """A JSON-ready summary (the shape ``stepsync check --json`` prints)."""
-        return {
-            "trainer_steps": self.trainer_steps,
-            "engine_steps": self.engine_steps,
-            "drift": self.drift,
-            "inherited_drift": self.inherited_drift,
-            "aligned": self.aligned,
-            "planned_steps": self.planned_steps,
-            "policy": self.policy.value,
-            "micro_batches": self.micro_batches,
-            "dropped_micro_batches": self.dropped_micro_batches,
-            "unapplied_micro_batches": self.unapplied_micro_batches,
-            "ends_early": self.ends_early(),
-            "stack": {
-                "transformers": self.behaviour.stack.transformers,
-                "accelerate": self.behaviour.stack.accelerate,
-                "deepspeed": self.behaviour.stack.deepspeed,
-                "trainer_rule": self.behaviour.trainer_rule.value,
-                "engine_boundary": self.behaviour.engine_boundary.value,
-                "measured": self.behaviour.measured,
-                "caveats": list(self.behaviour.caveats),
-            },
-            "verdict": self.verdict(),
-            "epochs": [
-                {
-                    "epoch": row.epoch,
-                    "micro_batches": row.micro_batches,
-                    "trainer_updates": row.trainer_updates,
-                    "engine_updates": row.engine_updates,
-                    "trainer_steps": row.trainer_steps,
-                    "engine_steps": row.engine_steps,
-                    "drift": row.drift,
-                    "partial_window": row.partial_window,
-                    "dropped": row.dropped,
-                    "cut": row.cut,
-                }
-                for row in self.epochs
-            ],
-        }
-
-
-def _listed(values) -> str:
-    values = [str(v) for v in values]
-    return values[0] if len(values) == 1 else ", ".join(values[:-1]) + " and " + values[-1]
-
-
-def drift_reason(forecast: Forecast) -> str:
-    """Why a forecast drifts, in words a user can act on."""
-    plan, behaviour = forecast.plan, forecast.behaviour
-    n, g = plan.micro_batches_per_epoch, plan.gradient_accumulation_steps
-    if forecast.drift < forecast.inherited_drift:
-        shape = "the engine is ahead: its windows cross epoch ends while the Trainer's restart"
-    elif n <= g:
-        shape = f"tiny epochs: N={n} <= G={g} forces a Trainer update at every epoch end"
-    else:
-        shape = f"every epoch ends with a partial window of {n % g} micro-batch(es) the engine does not close"
-    return f"{shape} ({behaviour.engine_reason})"
+        return explain.forecast_dict(self)
 
 
 @dataclass
@@ -258,44 +112,6 @@ class _Counters:
     engine_steps: int
     trainer_micro: int = 0  # the Trainer's cross-epoch micro-batch counter (GLOBAL_COUNTER)
     engine_micro: int = 0  # the engine's micro_steps since it was built
-
-
-def updates_per_epoch(behaviour: StackBehaviour, n: int, g: int) -> int:
-    """The Trainer's ``num_update_steps_per_epoch`` on this release."""
-    return rules.planned_updates_per_epoch(behaviour.planned_steps is PlannedSteps.CEIL, n, g)
-
-
-def trainer_epoch_length(plan: RunPlan, behaviour: StackBehaviour) -> int:
-    """Micro-batches the Trainer runs in a whole epoch: N, except on transformers 4.46-4.51, which split the
-    epoch into N // G + 1 windows, the last one ``num_examples % G`` long (G when that is 0), whatever is left."""
-    n, g = plan.micro_batches_per_epoch, plan.gradient_accumulation_steps
-    if not behaviour.remainder_cut or plan.examples_per_epoch is None:
-        return n
-    return min(n, (n // g) * g + (plan.examples_per_epoch % g or g))
-
-
-def planned_steps(plan: RunPlan, behaviour: StackBehaviour) -> int:
-    """The Trainer's ``max_steps``: given, or derived from the epochs as this release does."""
-    if plan.max_steps > 0:
-        return plan.max_steps
-    per_epoch = updates_per_epoch(behaviour, plan.micro_batches_per_epoch, plan.gradient_accumulation_steps)
-    return math.ceil(plan.num_train_epochs * per_epoch)
-
-
-def resume_position(plan: RunPlan, behaviour: StackBehaviour):
-    """(epochs trained, micro-batches to skip in that epoch) as the Trainer computes them on resume."""
-    per_epoch = updates_per_epoch(behaviour, plan.micro_batches_per_epoch, plan.gradient_accumulation_steps)
-    steps = plan.trainer_steps_at_start if plan.resume_steps is None else plan.resume_steps
-    return steps // per_epoch, (steps % per_epoch) * plan.gradient_accumulation_steps
-
-
-def resume_steps_for(epoch: int, skip: int, n: int, g: int, behaviour: StackBehaviour) -> Optional[int]:
-    """The ``global_step`` from which the Trainer's resume lands at 0-based ``epoch`` after ``skip``
-    micro-batches, or None when its arithmetic (``global_step // updates per epoch``) cannot reach there."""
-    per_epoch = updates_per_epoch(behaviour, n, g)
-    if skip % g or skip // g >= per_epoch:
-        return None
-    return epoch * per_epoch + skip // g
 
 
 def forecast(plan: RunPlan, behaviour: StackBehaviour, policy: Policy = Policy.WARN) -> Forecast:
@@ -345,7 +161,8 @@ def _simulate(plan: RunPlan, behaviour: StackBehaviour, policy: Policy, planned:
         else:
             since_trainer_boundary += ran
         counters.engine_steps += engine_made
-        counters.trainer_steps = counters.engine_steps if policy is Policy.REALIGN else counters.trainer_steps + trainer_made
+        realigned = policy is Policy.REALIGN
+        counters.trainer_steps = counters.engine_steps if realigned else counters.trainer_steps + trainer_made
         counters.trainer_micro += ran
         counters.engine_micro += ran
         result.epochs.append(

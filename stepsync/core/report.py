@@ -1,86 +1,13 @@
-"""What stepsync saw in a run: drift events and the outcome, as plain data (no rendering here)."""
+"""What stepsync saw in a run, as plain data (rendering is in ``stepsync.display``)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from enum import Enum
 from typing import Dict, List, Optional
 
 from .choices import Policy
+from .events import DriftEvent
 from .forecast import Forecast
-
-
-class StepDriftError(RuntimeError):
-    """Raised by policy ``'raise'`` at the first divergence; carries the :class:`DriftEvent`."""
-
-    def __init__(self, event: "DriftEvent") -> None:
-        self.event = event
-        super().__init__(event.message())
-
-
-class StepSyncConfigError(ValueError):
-    """A configuration that stepsync cannot serve; raised before any training step runs."""
-
-
-class Cause(str, Enum):
-    """Why the two counters diverged."""
-
-    INHERITED = "inherited when training began (a resumed checkpoint, or an engine reused by a second train())"
-    PARTIAL_WINDOW = "partial window at an epoch end"
-    TINY_EPOCH = "tiny epoch (N <= G)"
-    ENGINE_AHEAD = "engine ahead (its windows cross epoch ends)"
-    OUTSIDE_ACCUMULATE = "backward outside accelerator.accumulate()"
-    UNEXPLAINED = "unexplained"
-
-
-@dataclass(frozen=True)
-class DriftEvent:
-    """One change of the drift, seen at a step end, an epoch end or the start of training.
-
-    Attributes:
-        epoch: 1-based epoch.
-        micro_batch: 1-based micro-batch index inside the epoch (0 at the start of training).
-        trainer_steps: ``state.global_step`` at that moment.
-        engine_steps: ``engine.global_steps`` at that moment.
-        previous_drift: the drift before this event.
-        where: ``"train_begin"``, ``"step_end"`` or ``"epoch_end"``.
-        counter: what ``trainer_steps`` counts (the Trainer's ``global_step``, or a custom loop's updates).
-    """
-
-    epoch: int
-    micro_batch: int
-    trainer_steps: int
-    engine_steps: int
-    previous_drift: int
-    cause: Cause
-    remedy: str
-    where: str
-    counter: str = "Trainer global_step"
-
-    @property
-    def drift(self) -> int:
-        return self.trainer_steps - self.engine_steps
-
-    def message(self) -> str:
-        return (
-            f"step drift {self.drift:+d} at epoch {self.epoch}, micro-batch {self.micro_batch} ({self.where}): "
-            f"{self.counter}={self.trainer_steps}, DeepSpeed engine global_steps={self.engine_steps}; "
-            f"cause: {self.cause.value}; remedy: {self.remedy}"
-        )
-
-    def to_dict(self) -> dict:
-        data = asdict(self)
-        data["cause"] = self.cause.name
-        data["drift"] = self.drift
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "DriftEvent":
-        fields = {k: v for k, v in data.items() if k != "drift"}
-        fields["cause"] = Cause[fields["cause"]]
-        return cls(**fields)
-
-
-RECORD_FILE = "stepsync_state.json"
+from .record import ResumeRecord
 
 
 @dataclass(frozen=True)
@@ -116,76 +43,6 @@ class LoadedCheckpoint:
     def __str__(self) -> str:
         saved = "?" if self.trainer_steps is None else self.trainer_steps
         return f"the best checkpoint {self.folder} (Trainer {saved}, engine {self.engine_steps})"
-
-
-@dataclass(frozen=True)
-class ResumeRecord:
-    """What stepsync saves with every checkpoint, so a resumed run carries its report on.
-
-    Attributes:
-        policy: the policy in force at the save.
-        trainer_steps, engine_steps: both counts at the save.
-        resume_steps: the ``global_step`` from which the Trainer's resume arithmetic lands exactly at the
-            next micro-batch (differs from ``trainer_steps`` under ``realign`` and ``drop_last``; None when
-            no ``global_step`` lands there).
-        next_epoch, next_skip: where the next micro-batch is (0-based epoch, micro-batches done in it).
-        unapplied_at_save: micro-batches in DeepSpeed's open window at the save; DeepSpeed saves neither
-            them nor its micro-step counter, so a resume loses their gradients and restarts its windows.
-        events, corrections, dropped_micro_batches: the report so far.
-    """
-
-    policy: str
-    trainer_steps: int
-    engine_steps: int
-    resume_steps: Optional[int]
-    next_epoch: int
-    next_skip: int
-    unapplied_at_save: int = 0
-    events: List[DriftEvent] = field(default_factory=list)
-    corrections: int = 0
-    dropped_micro_batches: Dict[int, int] = field(default_factory=dict)
-
-    FORMAT = 1
-
-    @property
-    def drift(self) -> int:
-        return self.trainer_steps - self.engine_steps
-
-    def to_dict(self) -> dict:
-        return {
-            "format": self.FORMAT,
-            "policy": self.policy,
-            "trainer_steps": self.trainer_steps,
-            "engine_steps": self.engine_steps,
-            "resume_steps": self.resume_steps,
-            "next_epoch": self.next_epoch,
-            "next_skip": self.next_skip,
-            "unapplied_at_save": self.unapplied_at_save,
-            "events": [event.to_dict() for event in self.events],
-            "corrections": self.corrections,
-            "dropped_micro_batches": {str(k): v for k, v in self.dropped_micro_batches.items()},
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "ResumeRecord":
-        """Raises ValueError naming what is wrong when ``data`` is not a record this version wrote."""
-        if not isinstance(data, dict) or data.get("format") != cls.FORMAT:
-            raise ValueError(f"not a stepsync record of format {cls.FORMAT}")
-        try:
-            return cls(
-                policy=str(data["policy"]),
-                trainer_steps=int(data["trainer_steps"]),
-                engine_steps=int(data["engine_steps"]),
-                resume_steps=None if data["resume_steps"] is None else int(data["resume_steps"]),
-                next_epoch=int(data["next_epoch"]),
-                next_skip=int(data["next_skip"]),
-                unapplied_at_save=int(data["unapplied_at_save"]),
-                events=[DriftEvent.from_dict(event) for event in data["events"]],
-                corrections=int(data["corrections"]),
-                dropped_micro_batches={int(k): int(v) for k, v in data["dropped_micro_batches"].items()},
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ValueError(f"a stepsync record with a missing or malformed field: {exc!r}") from None
 
 
 @dataclass
@@ -267,11 +124,6 @@ class SyncReport:
         if not self.active and self.inactive_reason:
             lines.append(f"switched off: {self.inactive_reason}")
         return "\n".join(lines)
-
-    def __rich__(self):
-        from ..display.render import summary_view  # drawn by the rendering module; the report stays plain data
-
-        return summary_view(self)
 
     @property
     def missed_updates(self) -> int:

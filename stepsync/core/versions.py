@@ -21,12 +21,10 @@ from typing import Optional, Tuple
 
 from packaging.version import InvalidVersion, Version
 
+from .errors import UnsupportedVersion
+
 NEWEST = "newest"
 OLDEST_SUPPORTED = "4.24.0"
-
-
-class UnsupportedVersion(ValueError):
-    """A release older than any stepsync measured; the message names the supported range."""
 
 
 def parse_version(text: str) -> Version:
@@ -152,7 +150,7 @@ class Stack:
     deepspeed: str = NEWEST
 
     @classmethod
-    def installed(cls) -> "Stack":
+    def installed(cls) -> Stack:
         """The installed versions; a package that is not installed counts as its newest release."""
         return cls(*(installed_version(name) or NEWEST for name in ("transformers", "accelerate", "deepspeed")))
 

@@ -11,7 +11,17 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from typing import Any, Callable, Optional
+
+
+class _Prefixed(logging.LoggerAdapter):
+    """Every message of the ``stepsync`` logger starts with ``stepsync: ``, whatever format the handler uses."""
+
+    def process(self, msg, kwargs):
+        return f"stepsync: {msg}", kwargs
+
+
+logger = _Prefixed(logging.getLogger("stepsync"), {})
 
 
 def logging_reaches(stream: Any, logger: logging.Logger, level: int) -> bool:
@@ -20,21 +30,22 @@ def logging_reaches(stream: Any, logger: logging.Logger, level: int) -> bool:
     if not logger.isEnabledFor(level):
         return False
     on_screen = _is_terminal(stream)
-    current, handled = logger, False
+    current: Optional[logging.Logger] = logger
+    handled = False
     while current is not None:
         for handler in current.handlers:
             handled = True
             if level < handler.level:
                 continue
             target = _stream_of(handler)
-            if target is stream or on_screen and target is not None and _is_terminal(target):
+            if target is stream or (on_screen and target is not None and _is_terminal(target)):
                 return True
         if not current.propagate:
             break
         current = current.parent
     last = logging.lastResort
     return not handled and last is not None and level >= last.level and (
-        stream is sys.stderr or on_screen and _is_terminal(sys.stderr))
+        stream is sys.stderr or (on_screen and _is_terminal(sys.stderr)))
 
 
 def _stream_of(handler: logging.Handler) -> Any:
@@ -62,16 +73,15 @@ class ConsoleOutput:
             raise ValueError(f"console must be a rich.console.Console, None or False, got {type(console).__name__}")
         self.console = console
 
-    def show(self, view: str, data: Any, level: int) -> None:
-        """Draw ``view`` (a function of display.render) unless the logger already said the same there."""
+    def show(self, view: Callable[[Any], Any], data: Any, level: int) -> None:
+        """Draw ``view(data)`` (a renderable of :mod:`stepsync.display.render`) unless the logger already said the
+        same there."""
         if self.console is False:
             return
-        from . import render
-
         if self.console is None:
             from rich.console import Console
 
             self.console = Console(stderr=True)
-        if logging_reaches(self.console.file, logging.getLogger("stepsync"), level):
+        if logging_reaches(self.console.file, logger.logger, level):
             return
-        self.console.print(getattr(render, view)(data))
+        self.console.print(view(data))

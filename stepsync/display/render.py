@@ -5,15 +5,15 @@ that would stay empty left out, and sentences as wrapping text, never as table c
 """
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Sequence
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 from rich import box
-from rich.console import Group
+from rich.console import Group, JustifyMethod
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from ..core.forecast import Forecast
+from ..core.forecast import EpochForecast, Forecast
 from ..core.report import DriftEvent, SyncReport
 
 
@@ -21,7 +21,7 @@ def _drift_text(drift: int) -> Text:
     return Text(f"{drift:+d}", style="bold red" if drift else "green")
 
 
-def _table(title: Optional[str], headers: Sequence[str], rows: List[list], justify: str = "right") -> Table:
+def _table(title: Optional[str], headers: Sequence[str], rows: List[list], justify: JustifyMethod = "right") -> Table:
     table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), title_justify="left")
     for header in headers:
         table.add_column(header, justify=justify, no_wrap=False, overflow="fold")
@@ -31,20 +31,26 @@ def _table(title: Optional[str], headers: Sequence[str], rows: List[list], justi
 
 
 def _notes(lines: Iterable[str], style: Optional[str] = None) -> List[Text]:
-    return [Text(f"- {line}", style=style) for line in lines]
+    return [Text(f"- {line}", style=style or "") for line in lines]
+
+
+def _shown(field: str) -> Callable[[EpochForecast], str]:
+    """A cell with ``field`` of a forecast row, empty when it is 0."""
+    return lambda row: str(getattr(row, field) or "")
 
 
 def forecast_table(forecast: Forecast, title: Optional[str] = None) -> Table:
     """One row per epoch: updates counted by each side, the drift; partial windows, drops and cuts when any."""
     plan = forecast.plan
-    columns = [("epoch", lambda r: str(r.epoch)), ("micro-\nbatches", lambda r: str(r.micro_batches)),
+    columns: List[Tuple[str, Callable[[EpochForecast], Any]]] = [
+               ("epoch", lambda r: str(r.epoch)), ("micro-\nbatches", lambda r: str(r.micro_batches)),
                ("Trainer\nupdates", lambda r: str(r.trainer_updates)),
                ("engine\nupdates", lambda r: str(r.engine_updates)),
                ("Trainer\nsteps", lambda r: str(r.trainer_steps)), ("engine\nsteps", lambda r: str(r.engine_steps)),
                ("drift", lambda r: _drift_text(r.drift))]
     for header, field in (("partial\nwindow", "partial_window"), ("dropped", "dropped"), ("cut", "cut")):
         if any(getattr(row, field) for row in forecast.epochs):
-            columns.append((header, lambda r, field=field: str(getattr(r, field) or "")))
+            columns.append((header, _shown(field)))
     title = title or (f"stepsync forecast: N={plan.micro_batches_per_epoch} micro-batches/epoch, "
                       f"G={plan.gradient_accumulation_steps}, policy '{forecast.policy.value}'")
     rows = [[cell(row) for _, cell in columns] for row in forecast.epochs]
@@ -103,7 +109,7 @@ def summary_view(report: SyncReport) -> Panel:
                      style="yellow")
     for note in report.notes:
         lines.append(f"\nnote: {note}")
-    parts = [lines]
+    parts: List[Any] = [lines]
     if report.events:
         parts.append(events_table(report.events))
     return Panel(Group(*parts), title="stepsync summary", border_style="red" if report.drift else "green")

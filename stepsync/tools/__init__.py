@@ -1,2 +1,2 @@
-"""The command line (check, inspect, demo), its input files, the checkpoint audit, and the harness
-that the tests, the demo and the benchmark run real tiny trainings with."""
+"""The command line (check, inspect, demo), its input files, the checkpoint audit, and the tiny real run that
+the demo, the notebook and the benchmark train."""

@@ -10,14 +10,14 @@ pickle's opcodes, never from running it.
 from __future__ import annotations
 
 import os
-import pickletools
 import re
-import zipfile
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from ..training import checkpoint
-from ..core.report import ResumeRecord
+from ..core import record as checkpoint
+from ..core.errors import AuditInputError
+from ..core.record import ResumeRecord
+from .archives import archive_problem, int_in_pickle
 
 _TAG = re.compile(r"^global_step(\d+)$")
 # DeepSpeed's files in global_stepM/: model states per model-parallel rank (ZeRO 0-2) or per data-parallel and
@@ -25,10 +25,6 @@ _TAG = re.compile(r"^global_step(\d+)$")
 _MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 _OPTIM_STATES = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _RNG_STATE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
-
-
-class AuditInputError(ValueError):
-    """The path is not a Trainer output directory; the message names the fix."""
 
 
 @dataclass
@@ -117,8 +113,10 @@ def audit_output_dir(path: str, verify_data: bool = True) -> OutputAudit:
     if not os.path.isdir(path):
         raise AuditInputError(f"{path!r} is not a directory: pass the Trainer's output_dir, not a file in it")
     if checkpoint.step_of(path) is not None:
-        return OutputAudit(path, [audit_checkpoint(os.path.normpath(path), verify_data)])  # the checkpoint that was named
-    names = sorted((n for n in os.listdir(path) if checkpoint.step_of(n) is not None), key=checkpoint.step_of)
+        # The checkpoint that was named, alone.
+        return OutputAudit(path, [audit_checkpoint(os.path.normpath(path), verify_data)])
+    steps = {n: step for n in os.listdir(path) if (step := checkpoint.step_of(n)) is not None}
+    names = sorted(steps, key=steps.__getitem__)
     if not names:
         raise AuditInputError(f"no checkpoint-N folders in {path!r}: pass the output_dir of a Trainer run that saved")
     return OutputAudit(path, [audit_checkpoint(os.path.join(path, name), verify_data) for name in names])
@@ -126,7 +124,10 @@ def audit_output_dir(path: str, verify_data: bool = True) -> OutputAudit:
 
 def audit_checkpoint(path: str, verify_data: bool = True) -> CheckpointAudit:
     name = os.path.basename(path)
-    audit = CheckpointAudit(name, path, checkpoint.step_of(name))
+    step = checkpoint.step_of(name)
+    if step is None:
+        raise AuditInputError(f"{path!r} is not a checkpoint-N folder: pass one the Trainer saved")
+    audit = CheckpointAudit(name, path, step)
     if not os.path.isdir(path):
         audit.problems.append(f"{name} is not a directory")
         return audit
@@ -229,19 +230,19 @@ def _read_tag_folder(audit: CheckpointAudit, entries: List[str], verify_data: bo
     where = f"{audit.name}/{tag}"
     files = sorted(os.listdir(folder))
     broken = {name: why for name in files if name.endswith(".pt")
-              for why in [_archive_problem(os.path.join(folder, name), verify_data)] if why}
+              for why in [archive_problem(os.path.join(folder, name), verify_data)] if why}
     audit.problems.extend(f"{where}/{name}: {why}" for name, why in broken.items())
     model = [m for m in map(_MODEL_STATES.match, files) if m]
     optim = [m for m in map(_OPTIM_STATES.match, files) if m]
     readable = [os.path.join(folder, m.group(0)) for m in model + optim if m.group(0) not in broken]
-    stage = next((v for v in (_int_in_pickle(path, "stage") for path in readable) if v is not None), None)
+    stage = next((v for v in (int_in_pickle(path, "stage") for path in readable) if v is not None), None)
     if stage is None and any(m.group(1) is not None for m in model + optim):
         stage = 3 if any(m.group(1) is not None for m in model) else 1
     # The data-parallel ranks whose files a resume needs: those that saved here (their RNG files), else the
     # world size the files recorded, else every rank a file names.
     ranks = _rng_ranks(entries)
     if not ranks:
-        world = next((v for v in (_int_in_pickle(path, "dp_world_size") for path in readable) if v), None)
+        world = next((v for v in (int_in_pickle(path, "dp_world_size") for path in readable) if v), None)
         named = {int(m.group(1)) for m in model + optim if m.group(1) is not None}
         ranks = set(range(world)) if world else named or {0}
     expected = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in sorted(ranks)] if stage == 3 else \
@@ -256,46 +257,6 @@ def _read_tag_folder(audit: CheckpointAudit, entries: List[str], verify_data: bo
                                   "a resume fails there; resume from an earlier checkpoint")
 
 
-def _archive_problem(path: str, verify_data: bool) -> str:
-    """Why ``path`` is not a whole torch archive (a zip with a ``data.pkl``), or ''. ``verify_data`` checks
-    the checksum of every tensor too (it reads the whole file), not only of the pickle."""
-    try:
-        size = os.path.getsize(path)
-        if size == 0:
-            return "empty (0 bytes): the save did not finish or the disk filled; resume from an earlier checkpoint"
-        with zipfile.ZipFile(path) as archive:
-            pickles = [info for info in archive.infolist() if info.filename.endswith("/data.pkl")]
-            if not pickles:
-                return "not a torch checkpoint (no data.pkl in the archive)"
-            end = max(info.header_offset + info.compress_size for info in archive.infolist())
-            if end > size:
-                return f"truncated ({size} of {end} bytes): the save did not finish; resume from an earlier checkpoint"
-            damaged = archive.testzip() if verify_data else (archive.read(pickles[0]) and None)  # CRCs
-            if damaged:
-                return f"corrupt: {damaged} fails its checksum; resume from an earlier checkpoint"
-    except zipfile.BadZipFile as exc:
-        return f"corrupt or truncated ({exc}): the save did not finish or two writers wrote it at once; " \
-               "resume from an earlier checkpoint"
-    except (OSError, EOFError, ValueError) as exc:
-        return f"unreadable ({exc})"
-    return ""
-
-
-def _int_in_pickle(path: str, key: str) -> Optional[int]:
-    """The integer stored under ``key`` in a torch archive's pickle, read from its opcodes (nothing is run)."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            name = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
-            ops = [(op.name, arg) for op, arg, _ in pickletools.genops(archive.read(name))
-                   if op.name not in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE")]
-    except Exception:  # a file we cannot read gives no count; its problem is reported on its own
-        return None
-    for (_, arg), (op, value) in zip(ops, ops[1:]):
-        if arg == key and op in ("BININT", "BININT1", "BININT2", "INT", "LONG1"):
-            return int(value)
-    return None
-
-
 def _read_record(audit: CheckpointAudit) -> None:
     try:
         audit.record = checkpoint.load_record(audit.path)
@@ -304,7 +265,8 @@ def _read_record(audit: CheckpointAudit) -> None:
     record = audit.record
     state_step = audit.trainer_state_step
     if state_step is not None and state_step != audit.trainer_step:
-        explained = record is not None and record.trainer_steps == audit.trainer_step and record.resume_steps == state_step
+        explained = (record is not None and record.trainer_steps == audit.trainer_step
+                     and record.resume_steps == state_step)
         if not explained:
             audit.mismatches.append(f"{audit.name}: trainer_state.json says global_step {state_step}")
     if record is not None and audit.deepspeed_step is not None and record.engine_steps != audit.deepspeed_step:

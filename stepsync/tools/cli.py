@@ -4,9 +4,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import List, Optional
+from typing import Dict, List, Optional
 
+from rich.console import Console
+
+from .._version import __version__
 from ..core.choices import Policy
+from ..core.forecast import forecast
+from ..core.plan import RunPlan
+from ..core.record import read_json
+from ..core.versions import MEASURED_TRANSFORMERS, NEWEST, Stack, behaviour_of, installed_version
+from ..display.render import audit_view, forecast_view
+from .audit import audit_output_dir
+from .config import deepspeed_config_of, from_training_args, resolve
+from .demo import run_demo
 
 EXIT_ALIGNED, EXIT_DRIFTS, EXIT_BAD_INPUT = 0, 1, 2
 POLICIES = ", ".join(p.value for p in Policy)
@@ -22,17 +33,11 @@ INSTALL_TRAINING = ("pip install torch==2.13.0 (the CPU build; any torch your pr
                     "pip install 'stepsync[trainer]' (or: bash scripts/demo.sh, which builds its own environment)")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # exit 2 with the fix, never a traceback
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_BAD_INPUT, f"stepsync: error: {message}\n")
-
-
 def _positive(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1")
     return value
@@ -42,7 +47,7 @@ def _epochs(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"--epochs must be > 0, got {text}")
     return value
@@ -52,14 +57,15 @@ def _policy(text: str) -> Policy:
     try:
         return Policy.parse(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc))
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="stepsync", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
-                     epilog="example: stepsync check --samples 3 --gas 2 --epochs 2 --accelerate 1.7.0")
+    parser = argparse.ArgumentParser(
+        prog="stepsync", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example: stepsync check --samples 3 --gas 2 --epochs 2 --accelerate 1.7.0")
     parser.add_argument("--version", action="version", version=version_line())
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser(
         "check", help="forecast a configuration without training",
         description="Forecast both counters per epoch; exit 0 when aligned, 1 when it drifts or the Trainer "
@@ -79,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--drop-last", action="store_true", default=None, help="dataloader_drop_last=True")
     check.add_argument("--policy", type=_policy, default=Policy.WARN, help=f"one of {POLICIES}")
     check.add_argument("--training-args", metavar="FILE", help="a TrainingArguments JSON (args.to_json_string())")
-    check.add_argument("--deepspeed-config", metavar="FILE", help="DeepSpeed's JSON ('auto' resolved as the Trainer does)")
+    check.add_argument("--deepspeed-config", metavar="FILE",
+                       help="DeepSpeed's JSON ('auto' resolved as the Trainer does)")
     for package in ("transformers", "accelerate", "deepspeed"):
         check.add_argument(f"--{package}", default=None, help=f"{package} version (default: installed, else newest)")
     check.add_argument("--json", action="store_true", help="print one JSON object")
@@ -110,14 +117,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_check(args) -> int:
-    from rich.console import Console
-
-    from ..training.checkpoint import read_json
-    from .config import deepspeed_config_of, from_training_args, resolve
-    from ..core.forecast import RunPlan, forecast
-    from ..display.render import forecast_view
-    from ..core.versions import MEASURED_TRANSFORMERS, NEWEST, Stack, behaviour_of, installed_version
-
     training, deepspeed = None, None
     if args.training_args:
         data = read_json(args.training_args, "--training-args")
@@ -136,11 +135,11 @@ def run_check(args) -> int:
                      "plugin's config file")
     # Where a package is neither given nor installed, say which release the forecast assumes.
     assumed = {"transformers": MEASURED_TRANSFORMERS[-1], "accelerate": NEWEST, "deepspeed": NEWEST}
-    versions = {}
+    versions: Dict[str, str] = {}
     for package in ("transformers", "accelerate", "deepspeed"):
-        versions[package] = getattr(args, package) or installed_version(package)
-        if versions[package] is None:
-            versions[package] = assumed[package]
+        found = getattr(args, package) or installed_version(package)
+        versions[package] = found or assumed[package]
+        if found is None:
             shown = "its newest release" if assumed[package] == NEWEST else assumed[package]
             notes.append(f"{package} is not installed here and --{package} was not given: the forecast assumes "
                          f"{shown}; pass --{package} VERSION for the run's machine")
@@ -162,11 +161,6 @@ def run_check(args) -> int:
 
 
 def run_inspect(args) -> int:
-    from rich.console import Console
-
-    from .audit import audit_output_dir
-    from ..display.render import audit_view
-
     audit = audit_output_dir(args.output_dir, verify_data=not args.quick)  # a checkpoint-N folder: that one only
     if args.json:
         print(json.dumps(audit.to_dict()))
@@ -176,9 +170,6 @@ def run_inspect(args) -> int:
 
 
 def version_line() -> str:
-    from .._version import __version__
-    from ..core.versions import installed_version
-
     found = ", ".join(f"{p} {installed_version(p) or 'not installed'}" for p in ("transformers", "accelerate",
                                                                                  "deepspeed", "torch"))
     return f"stepsync {__version__} ({found})"
@@ -191,14 +182,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             return run_check(args)
         if args.command == "inspect":
             return run_inspect(args)
-        from ..core.versions import installed_version
-
         missing = [p for p in ("torch", "transformers", "accelerate", "deepspeed") if installed_version(p) is None]
         if missing:  # the light install: the demo trains, so it needs the training packages
             print(f"stepsync: error: stepsync demo needs {', '.join(missing)}: {INSTALL_TRAINING}", file=sys.stderr)
             return EXIT_BAD_INPUT
-        from .demo import run_demo
-
         return run_demo(args)
     except ValueError as exc:
         print(f"stepsync: error: {exc}", file=sys.stderr)

@@ -9,11 +9,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from ..training.checkpoint import read_json
-
-
-class ConfigInputError(ValueError):
-    """An input ``stepsync check`` cannot use; the message says what to change."""
+from ..core.errors import ConfigInputError
+from ..core.record import read_json
 
 
 @dataclass(frozen=True)

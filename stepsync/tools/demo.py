@@ -5,6 +5,7 @@ fix (``sync``), each with both counters live after every micro-batch, then one l
 """
 from __future__ import annotations
 
+import functools
 import logging
 import tempfile
 from typing import List
@@ -13,7 +14,11 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+import stepsync
+
 from ..core.choices import Policy
+from ..core.versions import EngineBoundary, Stack, behaviour_of, installed_version
+from .tiny_run import run_tiny
 
 
 def counters_table(title: str, rows: List[tuple]) -> Table:
@@ -54,16 +59,10 @@ def _prepare(trainer, live_table) -> None:
 
 
 def _aligned_here() -> bool:
-    from ..core.versions import EngineBoundary, Stack, behaviour_of
-
     return behaviour_of(Stack.installed()).engine_boundary is EngineBoundary.FOLLOWS_TRAINER
 
 
 def run_demo(args) -> int:
-    from ..training.callback import StepSyncCallback
-    from .testing import run_tiny
-    from ..core.versions import installed_version
-
     console = Console()
     policies = [Policy.WARN, Policy.SYNC] if args.compare else [Policy.parse(args.policy)]
     console.print(f"[bold]stepsync demo[/]: a tiny GPT-2 built from a config, trained by the real Trainer and "
@@ -84,9 +83,10 @@ def run_demo(args) -> int:
         with Live(counters_table(title, rows), console=console, refresh_per_second=8) as live:
             live_table = _live_rows(live, title, rows)
             result = run_tiny(tempfile.mkdtemp(prefix="stepsync-demo-"), samples=args.samples, gas=args.gas,
-                              epochs=args.epochs, callback=StepSyncCallback(policy, console=console),
-                              extra_callbacks=[live_table], log_level="error", logging_strategy="no",
-                              on_trainer=lambda trainer: _prepare(trainer, live_table))
+                              epochs=args.epochs,
+                              callbacks=[live_table, stepsync.StepSyncCallback(policy, console=console)],
+                              log_level="error", logging_strategy="no",
+                              on_trainer=functools.partial(_prepare, live_table=live_table))
             live.update(counters_table(title, rows))
         console.print()
         if result.error is not None:

@@ -1,0 +1,1 @@
+"""The adapter for custom accelerate loops: :func:`watch`."""

@@ -1,0 +1,64 @@
+"""Why and where the two counts parted: one :class:`DriftEvent` per change of the drift."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import Enum
+
+
+class Cause(str, Enum):
+    """Why the two counters diverged."""
+
+    INHERITED = "inherited when training began (a resumed checkpoint, or an engine reused by a second train())"
+    PARTIAL_WINDOW = "partial window at an epoch end"
+    TINY_EPOCH = "tiny epoch (N <= G)"
+    ENGINE_AHEAD = "engine ahead (its windows cross epoch ends)"
+    OUTSIDE_ACCUMULATE = "backward outside accelerator.accumulate()"
+    UNEXPLAINED = "unexplained"
+
+
+@dataclass(frozen=True)
+class DriftEvent:
+    """One change of the drift, seen at a step end, an epoch end or the start of training.
+
+    Attributes:
+        epoch: 1-based epoch.
+        micro_batch: 1-based micro-batch index inside the epoch (0 at the start of training).
+        trainer_steps: ``state.global_step`` at that moment.
+        engine_steps: ``engine.global_steps`` at that moment.
+        previous_drift: the drift before this event.
+        where: ``"train_begin"``, ``"step_end"`` or ``"epoch_end"``.
+        counter: what ``trainer_steps`` counts (the Trainer's ``global_step``, or a custom loop's updates).
+    """
+
+    epoch: int
+    micro_batch: int
+    trainer_steps: int
+    engine_steps: int
+    previous_drift: int
+    cause: Cause
+    remedy: str
+    where: str
+    counter: str = "Trainer global_step"
+
+    @property
+    def drift(self) -> int:
+        return self.trainer_steps - self.engine_steps
+
+    def message(self) -> str:
+        return (
+            f"step drift {self.drift:+d} at epoch {self.epoch}, micro-batch {self.micro_batch} ({self.where}): "
+            f"{self.counter}={self.trainer_steps}, DeepSpeed engine global_steps={self.engine_steps}; "
+            f"cause: {self.cause.value}; remedy: {self.remedy}"
+        )
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["cause"] = self.cause.name
+        data["drift"] = self.drift
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DriftEvent:
+        fields = {k: v for k, v in data.items() if k != "drift"}
+        fields["cause"] = Cause[fields["cause"]]
+        return cls(**fields)

@@ -1,0 +1,154 @@
+"""stepsync's record in a checkpoint: what it holds, and reading and writing it. Plain file I/O.
+
+transformers >= 4.41 keeps the record in ``trainer_state.json`` (``stateful_callbacks``, through
+``ExportableState``); older releases get ``stepsync_state.json`` next to it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+from .events import DriftEvent
+
+RECORD_FILE = "stepsync_state.json"
+TRAINER_STATE = "trainer_state.json"
+CALLBACK_NAME = "StepSyncCallback"
+
+
+@dataclass(frozen=True)
+class ResumeRecord:
+    """What stepsync saves with every checkpoint, so a resumed run carries its report on.
+
+    Attributes:
+        policy: the policy in force at the save.
+        trainer_steps, engine_steps: both counts at the save.
+        resume_steps: the ``global_step`` from which the Trainer's resume arithmetic lands exactly at the
+            next micro-batch (differs from ``trainer_steps`` under ``realign`` and ``drop_last``; None when
+            no ``global_step`` lands there).
+        next_epoch, next_skip: where the next micro-batch is (0-based epoch, micro-batches done in it).
+        unapplied_at_save: micro-batches in DeepSpeed's open window at the save; DeepSpeed saves neither
+            them nor its micro-step counter, so a resume loses their gradients and restarts its windows.
+        events, corrections, dropped_micro_batches: the report so far.
+    """
+
+    policy: str
+    trainer_steps: int
+    engine_steps: int
+    resume_steps: Optional[int]
+    next_epoch: int
+    next_skip: int
+    unapplied_at_save: int = 0
+    events: List[DriftEvent] = field(default_factory=list)
+    corrections: int = 0
+    dropped_micro_batches: Dict[int, int] = field(default_factory=dict)
+
+    FORMAT = 1
+
+    @property
+    def drift(self) -> int:
+        return self.trainer_steps - self.engine_steps
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["events"] = [event.to_dict() for event in self.events]
+        data["dropped_micro_batches"] = {str(k): v for k, v in self.dropped_micro_batches.items()}
+        return {"format": self.FORMAT, **data}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ResumeRecord:
+        """Raises ValueError naming what is wrong when ``data`` is not a record this version wrote."""
+        if not isinstance(data, dict) or data.get("format") != cls.FORMAT:
+            raise ValueError(f"not a stepsync record of format {cls.FORMAT}")
+        try:
+            return cls(
+                policy=str(data["policy"]),
+                trainer_steps=int(data["trainer_steps"]),
+                engine_steps=int(data["engine_steps"]),
+                resume_steps=None if data["resume_steps"] is None else int(data["resume_steps"]),
+                next_epoch=int(data["next_epoch"]),
+                next_skip=int(data["next_skip"]),
+                unapplied_at_save=int(data["unapplied_at_save"]),
+                events=[DriftEvent.from_dict(event) for event in data["events"]],
+                corrections=int(data["corrections"]),
+                dropped_micro_batches={int(k): int(v) for k, v in data["dropped_micro_batches"].items()},
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"a stepsync record with a missing or malformed field: {exc!r}") from None
+
+
+def record_in_trainer_state(stateful_callbacks: Optional[dict], name: str = CALLBACK_NAME) -> Optional[dict]:
+    """The raw record inside ``trainer_state.json``'s ``stateful_callbacks`` (or ``TrainerState``'s)."""
+    stored = (stateful_callbacks or {}).get(name)
+    # With two instances the Trainer keeps a list and appends at every save: the newest record is the last one.
+    entries = stored if isinstance(stored, list) else [stored]
+    records = [(entry.get("attributes") or {}).get("saved_record") for entry in entries if isinstance(entry, dict)]
+    return next((record for record in reversed(records) if record is not None), None)
+
+
+def load_record(folder: str) -> Optional[ResumeRecord]:
+    """The record saved in checkpoint ``folder``; None when there is none; ValueError when it is unreadable."""
+    own = os.path.join(folder, RECORD_FILE)
+    if os.path.isfile(own):
+        return ResumeRecord.from_dict(read_json(own))
+    state_path = os.path.join(folder, TRAINER_STATE)
+    if os.path.isfile(state_path):
+        raw = record_in_trainer_state(read_json(state_path).get("stateful_callbacks"))
+        return None if raw is None else ResumeRecord.from_dict(raw)
+    return None
+
+
+def save_record(folder: str, record: ResumeRecord, own_file: bool, trainer_state: Callable[[], Dict[str, Any]]) -> None:
+    """Write ``record`` into checkpoint ``folder`` (its own file when ``own_file``: the Trainer does not keep it)
+    and, where a policy moved ``global_step`` off the data position, the count the Trainer's resume arithmetic
+    needs into ``trainer_state.json``.
+
+    ``trainer_state`` gives the live state the Trainer has just saved, as a dict: the file is written again from
+    it, never read back, because another node saving into the same folder may be rewriting it right now.
+    """
+    if own_file:
+        write_json(os.path.join(folder, RECORD_FILE), record.to_dict())
+    if record.resume_steps is not None and record.resume_steps != record.trainer_steps:
+        write_json(os.path.join(folder, TRAINER_STATE), {**trainer_state(), "global_step": record.resume_steps})
+
+
+def step_of(folder: Optional[str]) -> Optional[int]:
+    """``N`` of a ``.../checkpoint-N`` folder, or None."""
+    name = os.path.basename(os.path.normpath(folder or ""))
+    prefix, _, number = name.rpartition("-")
+    return int(number) if prefix == "checkpoint" and number.isdigit() else None
+
+
+def read_json(path: str, what: str = "file") -> dict:
+    """The JSON object in ``path``; ValueError with the fix when it is missing, unreadable or not an object."""
+    if not os.path.exists(path):
+        raise ValueError(f"{what} {path!r} does not exist: pass the path of a JSON file")
+    try:
+        with open(path) as handle:
+            data = json.load(handle)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {what} {path!r}: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"{what} {path!r} is not valid JSON ({exc}): fix or delete the file") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} {path!r} must hold a JSON object, not {type(data).__name__}")
+    return data
+
+
+def write_json(path: str, data: dict) -> None:
+    """Write ``data`` to ``path`` at once: readers see the old file or the new one, never half of either."""
+    folder, name = os.path.split(path)
+    # A name of its own per writer: two nodes saving into one shared folder never share a temporary file.
+    handle, partial = tempfile.mkstemp(prefix=f".{name}.", suffix=".partial", dir=folder or ".")
+    try:
+        with os.fdopen(handle, "w") as out:
+            json.dump(data, out, indent=2, sort_keys=True)
+            out.write("\n")
+        os.chmod(partial, os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644)  # not mkstemp's 0600
+        os.replace(partial, path)
+    except BaseException:
+        if os.path.exists(partial):
+            os.unlink(partial)
+        raise

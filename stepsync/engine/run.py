@@ -1,0 +1,287 @@
+"""One watched run: where it is, what the engine did, the policy's decisions and the checks of both counts.
+
+Every framework adapter drives a :class:`Run` the same way: it builds one when training starts, calls it once
+per event with the count its framework keeps, and applies the :class:`~stepsync.engine.policies.Steering` it
+gets back. The run owns its report, its output and its policy's action; it never calls the adapter.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from ..core.errors import StepDriftError, StepSyncConfigError
+from ..core.events import Cause, DriftEvent
+from ..core.forecast import Forecast
+from ..core.plan import RunPlan
+from ..core.report import EpochCount, SyncReport
+from ..core.versions import StackBehaviour
+from ..display import render
+from ..display.output import ConsoleOutput, logger
+from .deepspeed import engine_facts
+from .faults import stop_observing
+from .policies import PolicyAction, Steering, action_for
+
+
+class Run:
+    """Where the run is, as stepsync counts it: epoch, position in the epoch, engine counters.
+
+    Args:
+        engine: the DeepSpeed engine (read: ``global_steps``; steered through its public boundary setter).
+        behaviour: what the installed releases do.
+        n: micro-batches per epoch on one rank (None when the dataloader has no length).
+        g: gradient accumulation steps.
+        report: the report this run fills.
+        output: where the rich views are drawn.
+        counter: what the framework's count is called in messages (``"Trainer global_step"``).
+        start_epoch, skip: where a resumed run starts (0-based epoch, micro-batches already done in it).
+        is_main: whether this rank speaks (messages, views).
+        plan: what the forecast is made from (None without a dataloader length).
+        action: what acts for the policy (default: the report's policy's own action).
+
+    Attributes:
+        epoch: 0-based epoch now running (``-1`` before the first epoch begins).
+        position: micro-batches done in this epoch (the Trainer's ``step + 1``).
+        micro_batches: micro-batches done since training began.
+        t_before_epoch: the Trainer's cross-epoch micro-batch counter before this epoch's position 0.
+        engine_steps_seen: ``engine.global_steps`` after the last micro-batch.
+        since_engine_update: micro-batches the engine accumulated since its last update.
+        last_drift: the drift at the last check (the one an event changes).
+        remedy: what each drift event tells the user to do (the stack's remedy, plus what the adapter adds).
+        known_cause: why the counters part, once the adapter has seen it (for instance a backward outside
+            ``accumulate()``); None until then.
+        observing: checks, events, messages and metrics are on (a fault there turns them off on this rank
+            only, and the policy keeps steering).
+    """
+
+    __slots__ = (
+        "action",
+        "behaviour",
+        "counter",
+        "engine",
+        "engine_steps_seen",
+        "epoch",
+        "facts",
+        "g",
+        "is_main",
+        "known_cause",
+        "last_drift",
+        "micro_batches",
+        "n",
+        "observing",
+        "output",
+        "plan",
+        "position",
+        "remedy",
+        "report",
+        "since_engine_update",
+        "skip",
+        "start_epoch",
+        "t_before_epoch",
+    )
+
+    def __init__(self, engine: Any, behaviour: StackBehaviour, n: Optional[int], g: int, report: SyncReport,
+                 output: ConsoleOutput, counter: str = "Trainer global_step", start_epoch: int = 0, skip: int = 0,
+                 is_main: bool = True, plan: Optional[RunPlan] = None,
+                 action: Optional[PolicyAction] = None) -> None:
+        self.engine = engine
+        self.facts = engine_facts(engine)
+        self.behaviour = behaviour
+        self.n = n
+        self.g = g
+        self.report = report
+        self.output = output
+        self.counter = counter
+        self.is_main = is_main
+        self.plan = plan
+        self.action: PolicyAction = action or action_for(report.policy)
+        self.epoch = start_epoch - 1
+        self.start_epoch = start_epoch
+        self.skip = skip
+        self.position = 0
+        self.micro_batches = 0
+        self.t_before_epoch = 0
+        self.engine_steps_seen = engine.global_steps
+        self.since_engine_update = 0
+        self.last_drift = 0
+        self.remedy = behaviour.remedy
+        self.known_cause: Optional[Cause] = None
+        self.observing = True
+
+    # ------------------------------------------------------------ messages
+
+    def note(self, text: str) -> None:
+        self.report.notes.append(text)
+        if self.is_main:
+            logger.info("%s", text)
+
+    def warn(self, text: str) -> None:
+        self.report.notes.append(text)
+        if self.is_main:
+            logger.warning("%s", text)
+
+    def error(self, text: str) -> None:
+        self.report.notes.append(text)
+        logger.error("%s", text)
+
+    def state_what_differs(self, whose_g: str) -> None:
+        """Say once, at the start, what makes this run differ from what the forecast assumes."""
+        if self.n is None:
+            self.note("the train dataloader has no length: no forecast, and 'sync'/'drop_last' cannot plan windows")
+        if self.facts.gradient_accumulation_steps not in (None, self.g):
+            self.error(f"the engine's gradient_accumulation_steps={self.facts.gradient_accumulation_steps} differs "
+                       f"from {whose_g} {self.g}: fix the DeepSpeed config (use \"auto\")")
+        if not self.facts.managed_accumulation:
+            self.note("DeepSpeed's managed_gradient_accumulation is false: the engine updates at every step() call, "
+                      "not at its own boundaries; the forecast assumes managed accumulation and will differ")
+        for caveat in self.behaviour.caveats:
+            self.note(caveat)
+
+    def announce(self, predicted: Forecast) -> None:
+        """The forecast at the start: its verdict, its table, and an early end said as a warning."""
+        self.report.forecast = predicted
+        if self.is_main:
+            logger.info("forecast: %s", predicted.verdict())
+            self.output.show(render.forecast_view, predicted, logging.INFO)
+        early = predicted.ends_early()
+        if early:
+            self.warn(early)
+
+    def summarize(self) -> None:
+        """The summary at the end, once."""
+        if self.is_main:
+            report = self.report
+            logger.info("%s counted %d updates, engine made %d (drift %+d)", report.counter,
+                        report.trainer_steps, report.engine_steps, report.drift)
+            self.output.show(render.summary_view, report, logging.INFO)
+
+    # ------------------------------------------------------------ the policy's decisions
+
+    def begin(self) -> Optional[Steering]:
+        """Start the policy (after the report's starting counts are set)."""
+        return self._took(self.action.begin(self))
+
+    def begin_epoch(self) -> None:
+        self.epoch += 1
+        self.position = self.skip if self.epoch == self.start_epoch else 0
+        self.t_before_epoch = self.micro_batches - self.position
+        self.action.before_micro_batch(self)
+
+    def after_micro_batch(self, trainer_updated: bool, trainer_steps: int) -> Optional[Steering]:
+        """One micro-batch is done (``trainer_updated``: the framework counted an update at it, reaching
+        ``trainer_steps``). Reads the engine, asks the policy, checks both counts; returns what to change."""
+        self.position += 1
+        self.micro_batches += 1
+        engine_steps = self.engine.global_steps
+        engine_updated = engine_steps != self.engine_steps_seen
+        self.since_engine_update = 0 if engine_updated else self.since_engine_update + 1
+        self.engine_steps_seen = engine_steps
+        steering = None
+        if self.action.acts_per_micro_batch:  # warn and raise skip two calls on every micro-batch
+            steering = self._took(self.action.after_micro_batch(self, trainer_updated, engine_updated, trainer_steps))
+            if steering is not None and steering.trainer_steps is not None:
+                trainer_steps = steering.trainer_steps
+            self.action.before_micro_batch(self)
+        if trainer_updated and self.observing:
+            self._observe(self.check, trainer_steps, "step_end")
+        return steering
+
+    def end_epoch(self, trainer_steps: int) -> Optional[Steering]:
+        """The epoch is over: the policy's last word on it, then its check and its counts in the report."""
+        self.engine_steps_seen = self.engine.global_steps
+        steering = self._took(self.action.at_epoch_end(self, trainer_steps))
+        if steering is not None and steering.trainer_steps is not None:
+            trainer_steps = steering.trainer_steps
+        if self.observing:
+            self._observe(self._close_epoch, trainer_steps)
+        return steering
+
+    def finish(self, trainer_steps: int) -> bool:
+        """Training ended: give the engine's boundary back and close the report. True when the engine's count
+        moved after the last micro-batch (the framework loaded a checkpoint into it)."""
+        self.action.end(self)
+        if not self.observing:
+            return False
+        self.report.trainer_steps = trainer_steps
+        self.report.engine_steps = self.engine_steps_seen
+        self.report.unapplied_micro_batches = self.since_engine_update
+        return self.engine.global_steps != self.engine_steps_seen
+
+    def next_position(self) -> tuple:
+        """(0-based epoch, micro-batches done in it) of the next micro-batch the run will train."""
+        last = self.action.last_position(self)
+        if last is not None and self.position >= last:
+            return self.epoch + 1, 0
+        return self.epoch, self.position
+
+    def _took(self, steering: Optional[Steering]) -> Optional[Steering]:
+        if steering is not None and steering.replacement is not None:
+            self.action = steering.replacement
+        return steering
+
+    # ------------------------------------------------------------ checks
+
+    def check(self, trainer_steps: int, where: str, remedy: Optional[str] = None) -> None:
+        """Compare both counts; every change of the drift is one event (logged, drawn, handed to the policy)."""
+        report = self.report
+        report.trainer_steps = trainer_steps
+        report.engine_steps = self.engine_steps_seen
+        drift = trainer_steps - self.engine_steps_seen
+        if drift == self.last_drift:
+            return
+        event = DriftEvent(
+            epoch=max(self.epoch, 0) + 1,
+            micro_batch=self.position if where != "train_begin" else 0,
+            trainer_steps=trainer_steps,
+            engine_steps=self.engine_steps_seen,
+            previous_drift=self.last_drift,
+            cause=self._cause(where, drift),
+            remedy=remedy or self.remedy,
+            where=where,
+            counter=self.counter,
+        )
+        self.last_drift = drift
+        report.events.append(event)
+        if self.is_main:
+            logger.warning("%s", event.message())
+            self.output.show(render.drift_panel, event, logging.WARNING)
+        self.action.on_drift(event)
+
+    def _cause(self, where: str, drift: int) -> Cause:
+        if where == "train_begin":
+            return Cause.INHERITED
+        if drift < self.last_drift:
+            return Cause.ENGINE_AHEAD
+        if self.known_cause is not None:
+            return self.known_cause
+        if self.n is not None and self.position == self.n:
+            return Cause.TINY_EPOCH if self.n <= self.g else Cause.PARTIAL_WINDOW
+        return Cause.UNEXPLAINED
+
+    def _close_epoch(self, trainer_steps: int) -> None:
+        """The epoch's check, its counts in the report, and their comparison with the forecast."""
+        self.check(trainer_steps, "epoch_end")
+        first = self.skip if self.epoch == self.start_epoch else 0
+        self.report.epochs.append(EpochCount(self.epoch + 1, self.position - first, trainer_steps,
+                                             self.engine_steps_seen))
+        predicted: Optional[Forecast] = self.report.forecast
+        if predicted is None:
+            return
+        epoch = self.epoch + 1
+        row = next((r for r in predicted.epochs if r.epoch == epoch), None)
+        seen = (trainer_steps, self.engine_steps_seen)
+        if row is None or (row.trainer_steps, row.engine_steps) != seen:
+            expected = "no such epoch" if row is None else f"{row.trainer_steps}/{row.engine_steps}"
+            text = f"epoch {epoch}: counts {seen[0]}/{seen[1]} differ from the forecast {expected}"
+            self.report.forecast_mismatches.append(text)
+            if len(self.report.forecast_mismatches) == 1 and self.is_main:
+                why = f"because of the {self.known_cause.value}" if self.known_cause else "please report this stack"
+                logger.warning("%s; %s", text, why)
+
+    def _observe(self, observation, *args) -> None:
+        """Run one observation; a fault in it ends observing on this rank and never changes the steering."""
+        try:
+            observation(*args)
+        except (StepDriftError, StepSyncConfigError):
+            raise
+        except Exception as exc:
+            stop_observing(self, getattr(observation, "__name__", "a check").lstrip("_"), exc)

@@ -1,0 +1,296 @@
+"""``StepSyncCallback``: translates the Trainer's events into calls of one :class:`~stepsync.engine.run.Run`
+and applies what the run decides to the Trainer's state and control."""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Optional, Union
+
+from transformers import TrainerCallback
+
+from ..core.choices import Policy
+from ..core.errors import StepDriftError, StepSyncConfigError, UnsupportedVersion
+from ..core.record import CALLBACK_NAME, step_of
+from ..core.report import LoadedCheckpoint, SyncReport
+from ..core.versions import Stack, behaviour_of
+from ..display.output import ConsoleOutput, logger
+from ..engine.faults import say_switched_off, stop_observing, switch_off
+from ..engine.resume import record_of
+from ..engine.run import Run
+from . import trainer as trainer_facts
+from .start import how_the_ranks_started, start_run
+
+try:  # transformers >= 4.41 saves an ExportableState callback's state() in trainer_state.json
+    from transformers.trainer_callback import ExportableState
+    _CALLBACK_BASES: tuple = (TrainerCallback, ExportableState)
+except ImportError:  # older releases: stepsync writes its own file into the checkpoint
+    _CALLBACK_BASES = (TrainerCallback,)
+STORED_BY_TRAINER = len(_CALLBACK_BASES) == 2
+
+METRIC_KEYS = ("stepsync/trainer_steps", "stepsync/engine_steps", "stepsync/drift")
+
+def _guarded(steering: bool, needs_run: bool = True):
+    """Run a hook; a failure inside stepsync is handed to :meth:`StepSyncCallback._failed`, never to training.
+    With ``needs_run`` the hook runs only while a run is on, and gets it as its first argument.
+
+    A hook's work is of two kinds. Steering (positions, the policy's effect on training) reads only counters
+    that are equal on every rank: a fault there is the same on every rank and switches stepsync off. Observing
+    (checks, messages, metrics, records) is where one rank's disk, terminal or handlers can fail alone: a fault
+    there ends observing on that rank and never changes the steering.
+    """
+
+    def decorate(hook):
+        @functools.wraps(hook)
+        def wrapper(self: StepSyncCallback, args, state, control, **kwargs):
+            run = self._run
+            if needs_run and run is None:
+                return None
+            try:
+                if needs_run:
+                    return hook(self, run, args, state, control, **kwargs)
+                return hook(self, args, state, control, **kwargs)
+            except (StepDriftError, StepSyncConfigError):
+                raise
+            except Exception as exc:
+                return self._failed(hook.__name__, exc, steering)
+
+        return wrapper
+
+    return decorate
+
+
+class StepSyncCallback(*_CALLBACK_BASES):  # type: ignore[misc]  # the bases depend on the release
+    """Keeps ``state.global_step`` and the DeepSpeed engine's ``global_steps`` in agreement.
+
+    Before training it forecasts both counts per epoch; at every step end and epoch end it
+    compares them, logs each change of the drift (logger ``stepsync``, rich output where the Trainer's
+    logs go), adds ``stepsync/*`` metrics to every log record, and applies ``policy``.
+
+    Args:
+        policy: ``"warn"`` (default; report only), ``"raise"`` (stop at the first divergence),
+            ``"sync"`` (DeepSpeed's boundary follows the Trainer's), ``"realign"`` (the Trainer's count
+            follows the engine's) or ``"drop_last"`` (train only full accumulation windows); a
+            :class:`stepsync.Policy` member works too.
+        console: a ``rich.console.Console`` for tables and panels, ``None`` for one on stderr, or ``False``
+            for none (the logger still speaks).
+
+    Raises:
+        ValueError: for an unknown policy or a console that is not a rich Console.
+        StepDriftError: with ``policy="raise"``, at the first divergence, on every rank.
+
+    A failure inside stepsync itself is logged once with its traceback; training goes on as every other rank
+    runs it, except under ``policy="raise"``, where the failure is re-raised.
+
+    Example::
+
+        from stepsync import StepSyncCallback
+        trainer = Trainer(model=model, args=TrainingArguments(..., deepspeed=ds_config,
+                          gradient_accumulation_steps=2), train_dataset=data,
+                          callbacks=[StepSyncCallback(policy="sync")])
+        trainer.train()
+        print(trainer.callback_handler.callbacks[-1].report.drift)
+    """
+
+    def __new__(cls, *args, **kwargs):
+        # With restore_callback_states_from_checkpoint=True the Trainer rebuilds every stateful callback from
+        # the checkpoint (`type(callback)(**saved_args)`) and drops the user's instance. Hand it the user's
+        # instance instead, so that the object the user holds keeps the report.
+        restoring = trainer_facts.callback_being_restored(cls)
+        if restoring is not None:
+            restoring._restored_with = kwargs
+            return restoring
+        return super().__new__(cls)
+
+    def __init__(self, policy: Union[str, Policy] = Policy.WARN, console: Any = None) -> None:
+        if self.__dict__.pop("_restored_with", None) is not None:
+            return  # the Trainer is restoring this very instance: keep the user's choices
+        self.policy = Policy.parse(policy)
+        self.output = ConsoleOutput(console)
+        self._report = SyncReport(self.policy)
+        self._run: Optional[Run] = None
+        self._state: Any = None
+        self._trainer: Any = None
+        self._leader: Optional[StepSyncCallback] = None
+
+    @property
+    def report(self) -> SyncReport:
+        """What stepsync saw in the last run (:class:`stepsync.SyncReport`); the acting instance's report when
+        another ``StepSyncCallback`` of the same Trainer acts."""
+        return self._leader.report if self._leader is not None else self._report
+
+    # ----------------------------------------------------------------- hooks
+
+    @_guarded(steering=True, needs_run=False)
+    def on_init_end(self, args, state, control, **kwargs):
+        trainer = trainer_facts.find_trainer(self)
+        if trainer is not None:  # before the progress bar and the reporters read the plan at on_train_begin
+            trainer_facts.run_after_the_flow_callback(trainer, self)
+
+    @_guarded(steering=True, needs_run=False)
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        self._run, self._leader, self._state = None, None, state
+        self._report = SyncReport(self.policy)
+        trainer_facts.keep_a_place_in(state, CALLBACK_NAME, self.state)
+        trainer = self._trainer = trainer_facts.find_trainer(self)
+        if trainer is None:
+            return self._deactivate("could not find the Trainer that runs this callback", logging.WARNING, args, state)
+        leader = trainer_facts.elect(trainer, StepSyncCallback)
+        if leader is not self:
+            return self._follow(leader, args, state)
+        if not trainer_facts.uses_deepspeed(trainer, args):
+            return self._deactivate("the Trainer does not use DeepSpeed: nothing to check", logging.INFO, args, state)
+        engine = trainer_facts.find_engine(trainer)
+        if engine is None:
+            return self._deactivate("DeepSpeed is configured but no engine with global_steps was found "
+                                    "(trainer.model_wrapped); stepsync cannot check this run", logging.WARNING,
+                                    args, state)
+        try:
+            behaviour = behaviour_of(Stack.installed())
+        except UnsupportedVersion as exc:
+            return self._deactivate(f"{exc}; stepsync cannot check this run", logging.WARNING, args, state)
+        before = (state.global_step, state.max_steps)
+        failure = None
+        try:
+            start_run(trainer, args, state, engine, train_dataloader, behaviour, self.report, self.output,
+                      trainer_facts.speaks(args, state), keep=lambda run: setattr(self, "_run", run))
+        except (StepDriftError, StepSyncConfigError):
+            raise
+        except Exception as exc:
+            failure = exc
+        self._agree_on_the_start(args, state, before, failure)
+        trainer_facts.run_after_the_flow_callback(trainer, self)
+
+    def _agree_on_the_start(self, args, state, before: tuple, failure: Optional[Exception]) -> None:
+        """Every rank steers this run the same way, or none does (see :func:`how_the_ranks_started`)."""
+        verdict, reason = how_the_ranks_started(args, state, before, failure is not None)
+        if verdict == "together":
+            return
+        if failure is not None and verdict == "failed":
+            reason = f"internal error in on_train_begin: {failure!r}"
+        if verdict == "resumed_apart":
+            self._switch_off(reason)
+            raise StepSyncConfigError(f"{reason}; stepsync stops every rank before the first micro-batch")
+        if self.policy is Policy.RAISE:
+            if failure is not None:
+                self._switch_off(reason, exc_info=failure)
+                raise failure
+            raise StepSyncConfigError(f"{reason}; policy 'raise' stops every rank before the first micro-batch")
+        # Every rank takes the Trainer's own start back: none of them steers.
+        trainer_facts.set_global_step(self._trainer, state, before[0])
+        state.max_steps = before[1]
+        self._switch_off(f"{reason}; no rank steers this run", exc_info=failure)
+
+    @_guarded(steering=True)
+    def on_epoch_begin(self, run: Run, args, state, control, **kwargs):
+        run.begin_epoch()
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        run = self._run
+        if run is not None:
+            self._after_micro_batch(run, False, args, state, control)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        run = self._run
+        if run is not None:
+            self._after_micro_batch(run, True, args, state, control)
+
+    def _after_micro_batch(self, run: Run, trainer_updated: bool, args, state, control) -> None:
+        # Guarded here, not by _guarded: its extra call and **kwargs pass cost microseconds on every micro-batch.
+        try:
+            steering = run.after_micro_batch(trainer_updated, state.global_step)
+        except (StepDriftError, StepSyncConfigError):
+            raise
+        except Exception as exc:
+            return self._failed("on_step_end" if trainer_updated else "on_substep_end", exc, True)
+        if steering is not None:
+            trainer_facts.steer(self._trainer, steering, args, state, control, at_step_end=True)
+
+    @_guarded(steering=True)
+    def on_epoch_end(self, run: Run, args, state, control, **kwargs):
+        steering = run.end_epoch(state.global_step)
+        if steering is not None:
+            trainer_facts.steer(self._trainer, steering, args, state, control, at_step_end=False)
+
+    @_guarded(steering=False)
+    def on_log(self, run: Run, args, state, control, logs=None, **kwargs):
+        if logs is None or not run.observing:
+            return
+        metrics = self._metrics(run, state)
+        logs.update(metrics)
+        # The Trainer appended this record to log_history before calling us: complete it there too.
+        last = state.log_history[-1] if state.log_history else None
+        if last is not None and all(last.get(k) == v for k, v in logs.items() if k in last):
+            last.update(metrics)
+
+    @staticmethod
+    def _metrics(run: Run, state) -> dict:
+        engine_steps = run.engine_steps_seen  # after the last micro-batch: not a loaded best checkpoint's
+        return {METRIC_KEYS[0]: state.global_step, METRIC_KEYS[1]: engine_steps,
+                METRIC_KEYS[2]: state.global_step - engine_steps}
+
+    @_guarded(steering=False)
+    def on_save(self, run: Run, args, state, control, **kwargs):
+        if getattr(args, "should_save", state.is_world_process_zero):
+            trainer_facts.save_the_record(run, args, state, STORED_BY_TRAINER, self.policy is Policy.RAISE)
+
+    def state(self) -> dict:
+        """``ExportableState`` (transformers >= 4.41): the record the Trainer saves in ``trainer_state.json``."""
+        run = (self._leader or self)._run
+        try:
+            record = record_of(run).to_dict() if run is not None else None
+        except Exception:  # never break the Trainer's save
+            logger.debug("could not build the resume record", exc_info=True)
+            record = None
+        return {"args": {"policy": self.policy.value}, "attributes": {"saved_record": record}}
+
+    @_guarded(steering=True, needs_run=False)
+    def on_train_end(self, args, state, control, **kwargs):
+        run = self._run
+        if self._leader is None:
+            self.report.finished = True
+        if run is None:
+            return
+        # With load_best_model_at_end the Trainer has already loaded the best checkpoint into the engine, which
+        # took that checkpoint's count back: the report keeps the counts of the training that happened.
+        if run.finish(state.global_step):
+            folder = getattr(state, "best_model_checkpoint", None)
+            self.report.loaded_checkpoint = LoadedCheckpoint(folder, step_of(folder), run.engine.global_steps)
+            run.note(f"after training the Trainer loaded {self.report.loaded_checkpoint}; this report describes "
+                     "the training that happened")
+        if run.observing:
+            run.summarize()
+
+    def _follow(self, leader: StepSyncCallback, args, state) -> None:
+        """Another instance acts for this Trainer: stay silent, and share its report."""
+        self._leader = leader
+        if trainer_facts.speaks(args, state):
+            level = logging.WARNING if self.policy is not leader.policy else logging.INFO
+            logger.log(level, "this Trainer has two StepSyncCallbacks; the one with policy '%s' acts and this one "
+                       "(policy '%s') stays silent; both give the same report", leader.policy.value,
+                       self.policy.value)
+
+    def _deactivate(self, reason: str, level: int, args, state) -> None:
+        self.report.active = False
+        self.report.inactive_reason = reason
+        if trainer_facts.speaks(args, state):
+            logger.log(level, "%s", reason)
+
+    def _failed(self, hook: str, exc: Exception, steering: bool) -> None:
+        """A failure inside stepsync. Policy 'raise' stops the run. A fault of the steering (the same on every
+        rank) switches stepsync off; a fault of the observing ends only the observing on this rank."""
+        if steering or self.policy is Policy.RAISE:
+            self._switch_off(f"internal error in {hook}: {exc!r}", exc_info=exc)
+            if self.policy is Policy.RAISE:
+                raise exc
+            return
+        if self._run is not None:
+            stop_observing(self._run, hook, exc)
+
+    def _switch_off(self, reason: str, exc_info: Optional[BaseException] = None) -> None:
+        run, self._run = self._run, None
+        if run is None:
+            return say_switched_off(self.report, reason, exc_info)
+        switch_off(run, reason, exc_info)
+        planned = self.report.planned_steps
+        if planned is not None and self._state.max_steps < planned:
+            self._state.max_steps = planned  # a lowered plan would now end the run early

@@ -1,0 +1,101 @@
+"""Custom accelerate loops for the tests, recorded by the loop itself (independently of stepsync)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from stepsync.tools.tiny_run import TinyDataset, cpu_distributed_env, tiny_model
+
+
+@dataclass
+class LoopRun:
+    """A custom accelerate loop's run, recorded by the loop itself (independently of stepsync)."""
+
+    accelerator: Any
+    engine: Any
+    watch: Any
+    loop_steps: List[int] = field(default_factory=list)
+    engine_steps: List[int] = field(default_factory=list)
+    epoch_ends: List[tuple] = field(default_factory=list)
+    error: Optional[BaseException] = None
+
+    @property
+    def model(self):
+        return self.engine.module
+
+    @property
+    def loop_updates_at(self) -> List[int]:
+        return rises(self.loop_steps)
+
+    @property
+    def engine_updates_at(self) -> List[int]:
+        return rises(self.engine_steps)
+
+
+def rises(counts: List[int]) -> List[int]:
+    """1-based micro-batch indices after which a counter went up."""
+    return [i + 1 for i, value in enumerate(counts) if value > (counts[i - 1] if i else 0)]
+
+
+def loop_deepspeed_config(gas: int, stage: int = 0) -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
+            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
+
+
+def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn", stage: int = 0,
+             outside_accumulate: bool = False, seed: int = 0, trackers=()) -> LoopRun:
+    """Train the tiny model with a loop shaped like transformers' run_clm_no_trainer.py on accelerate + DeepSpeed.
+
+    ``policy=None`` runs without stepsync; ``outside_accumulate`` calls ``accelerator.backward`` outside
+    ``accelerator.accumulate()`` (the pattern stepsync warns about).
+    """
+    cpu_distributed_env()
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+    from transformers import get_scheduler
+
+    import stepsync
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    # One process may run several loops (the tests do): accelerate keeps one shared state per process.
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = Accelerator(gradient_accumulation_steps=gas,
+                              deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=loop_deepspeed_config(gas, stage)))
+    accelerator.trackers.extend(trackers)  # what init_trackers() would hold: accelerator.log() writes to them
+    model = tiny_model(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dataloader = torch.utils.data.DataLoader(TinyDataset(samples), batch_size=1)
+    steps_per_epoch = -(-len(dataloader) // gas)  # as run_clm_no_trainer.py plans them
+    scheduler = get_scheduler("linear", optimizer=optimizer, num_warmup_steps=0,
+                              num_training_steps=epochs * steps_per_epoch)
+    model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
+    engine = accelerator.deepspeed_engine_wrapped.engine
+    watch = stepsync.watch(accelerator, policy, dataloader=dataloader, num_epochs=epochs, console=False) \
+        if policy else None
+    result = LoopRun(accelerator, engine, watch)
+    completed = 0
+    try:
+        for _ in range(epochs):
+            model.train()
+            for batch in dataloader:
+                if outside_accumulate:
+                    accelerator.backward(model(**batch).loss)
+                    optimizer.step(), scheduler.step(), optimizer.zero_grad()
+                else:
+                    with accelerator.accumulate(model):
+                        accelerator.backward(model(**batch).loss)
+                        optimizer.step(), scheduler.step(), optimizer.zero_grad()
+                if accelerator.sync_gradients:  # the loop's own count of updates, as in the examples
+                    completed += 1
+                result.loop_steps.append(completed)
+                result.engine_steps.append(engine.global_steps)
+            result.epoch_ends.append((completed, engine.global_steps))
+    except Exception as exc:  # the caller asserts on it
+        result.error = exc
+    finally:
+        if watch is not None:
+            watch.close()
+    return result

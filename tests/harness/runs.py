@@ -1,0 +1,173 @@
+"""Real tiny runs for the tests, each with an independent recorder of both counters (never stepsync's view)."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from stepsync.tools import tiny_run
+
+PROCESS_GROUP_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def child_env(env=None) -> dict:
+    """A copy of ``env`` (default: this process's) for a child that starts its own process group: without
+    the rendezvous variables, whose port this process holds."""
+    return {k: v for k, v in (os.environ if env is None else env).items() if k not in PROCESS_GROUP_VARS}
+
+
+@dataclass
+class Recording:
+    """What the real run did, recorded independently of stepsync, one entry per micro-batch.
+
+    ``checks`` lists ``(where, Trainer count, engine count)`` at train begin, every step end and every epoch
+    end, as stepsync checks them; ``saves`` both counts at every save; ``logs`` every log record of this
+    run with the engine's count after the last micro-batch before it.
+    """
+
+    trainer_steps: List[int] = field(default_factory=list)
+    engine_steps: List[int] = field(default_factory=list)
+    trainer_updates_at: List[int] = field(default_factory=list)
+    engine_updates_at: List[int] = field(default_factory=list)
+    epoch_ends: List[tuple] = field(default_factory=list)
+    engine_at_start: Optional[int] = 0
+    checks: List[tuple] = field(default_factory=list)
+    saves: List[tuple] = field(default_factory=list)
+    logs: List[tuple] = field(default_factory=list)
+    history_at_start: int = 0  # log records the state held when training began (a resumed checkpoint's)
+
+
+def recorder(trainer_ref: list, recording: Recording):
+    """A callback that writes both counters after every micro-batch into ``recording``."""
+    from transformers import TrainerCallback
+
+    class Recorder(TrainerCallback):
+        def _engine(self):
+            return trainer_ref[0].model_wrapped
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            recording.engine_at_start = getattr(self._engine(), "global_steps", None)
+            recording.checks.append(("train_begin", state.global_step, recording.engine_at_start))
+            recording.history_at_start = len(state.log_history)
+
+        def _after(self, state, trainer_updated):
+            engine = self._engine()
+            steps = getattr(engine, "global_steps", None)
+            if steps is None:
+                return
+            index = len(recording.engine_steps) + 1
+            before = recording.engine_steps[-1] if recording.engine_steps else recording.engine_at_start
+            if steps != before:
+                recording.engine_updates_at.append(index)
+            if trainer_updated:
+                recording.trainer_updates_at.append(index)
+                recording.checks.append(("step_end", state.global_step, steps))
+            recording.trainer_steps.append(state.global_step)
+            recording.engine_steps.append(steps)
+
+        def on_substep_end(self, args, state, control, **kwargs):
+            self._after(state, False)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self._after(state, True)
+
+        def on_epoch_end(self, args, state, control, **kwargs):
+            steps = getattr(self._engine(), "global_steps", None)
+            recording.epoch_ends.append((state.global_step, steps))
+            recording.checks.append(("epoch_end", state.global_step, steps))
+
+        def on_save(self, args, state, control, **kwargs):
+            recording.saves.append((state.global_step, getattr(self._engine(), "global_steps", None)))
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            engine = recording.engine_steps[-1] if recording.engine_steps else recording.engine_at_start
+            recording.logs.append((dict(logs or {}), engine))
+
+    return Recorder()
+
+
+@dataclass
+class RunResult:
+    trainer: Any
+    recording: Recording
+    callback: Any
+    error: Optional[BaseException] = None
+
+    @property
+    def engine(self):
+        return self.trainer.model_wrapped
+
+    @property
+    def model(self):
+        return self.trainer.model
+
+
+def run_tiny(output_dir: str, samples: int, gas: int, epochs: float = 2, max_steps: int = -1, stage: int = 0,
+             callback: Any = None, extra_callbacks=(), **options) -> RunResult:
+    """Train the tiny model once with the recorder first, then ``extra_callbacks``, then ``callback`` (a
+    StepSyncCallback, or None: the run without stepsync)."""
+    recording = Recording()
+    trainer_ref: list = []
+    callbacks = [recorder(trainer_ref, recording), *extra_callbacks] + ([callback] if callback is not None else [])
+    user_hook = options.pop("on_trainer", None)
+
+    def on_trainer(trainer):
+        trainer_ref.append(trainer)
+        if user_hook is not None:
+            user_hook(trainer)
+
+    done = tiny_run.run_tiny(output_dir, samples, gas, epochs, max_steps, stage, callbacks=callbacks,
+                             on_trainer=on_trainer, **options)
+    return RunResult(done.trainer, recording, callback, done.error)
+
+
+def run(tmp_path, n, g, epochs, stage=0, policy="warn", **kwargs) -> RunResult:
+    """The tiny run of ``n`` samples under ``policy`` (None: without stepsync)."""
+    from stepsync import StepSyncCallback
+
+    callback = StepSyncCallback(policy, console=False) if policy else None
+    return run_tiny(str(tmp_path), samples=n, gas=g, epochs=epochs, stage=stage, callback=callback, **kwargs)
+
+
+def result_summary(result: RunResult) -> dict:
+    """JSON-ready facts of a run (for two-process runs, written per rank)."""
+    report = result.callback.report if result.callback is not None else None
+    rec = result.recording
+    return {
+        "trainer_steps": result.trainer.state.global_step,
+        "engine_steps": getattr(result.engine, "global_steps", None),
+        "trainer_updates_at": rec.trainer_updates_at,
+        "engine_updates_at": rec.engine_updates_at,
+        "epoch_ends": rec.epoch_ends,
+        "error": type(result.error).__name__ if result.error else None,
+        "error_message": str(result.error) if result.error else None,
+        "report": report.to_dict() if report is not None else None,
+        "forecast": report.forecast.to_dict() if report is not None and report.forecast else None,
+        "log_keys": [sorted(k for k in rec_log if k.startswith("stepsync/")) for rec_log in result.trainer.state.log_history],
+        "final_lr": _last_lr(result),
+    }
+
+
+def _last_lr(result: RunResult):
+    scheduler = getattr(result.engine, "lr_scheduler", None)
+    if scheduler is None:
+        return None
+    try:
+        return float(scheduler.get_last_lr()[0])
+    except Exception:
+        return None
+
+
+def dump(path: str, data: Any) -> None:
+    with open(path, "w") as handle:
+        json.dump(data, handle)
+
+
+def final_parameters(result: RunResult):
+    """Every trained parameter, flattened into one fp32 tensor (ZeRO 0-2 keep full parameters on each rank)."""
+    import torch
+
+    return torch.cat([p.detach().float().flatten() for p in result.model.parameters()])
+
+

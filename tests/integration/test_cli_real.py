@@ -1,0 +1,127 @@
+"""The command line against real runs: `check` forecasts what the real Trainer + DeepSpeed do, `inspect`
+audits the checkpoint folders they wrote, and corrupted copies of them."""
+import json
+import os
+import shutil
+
+import pytest
+
+from harness.stack import DRIFTS, needs_stack
+from harness.cli import stepsync
+from harness.runs import run
+
+pytestmark = [needs_stack, pytest.mark.integration]
+
+
+@pytest.mark.parametrize("n, g, epochs, policy", [(3, 2, 2, "warn"), (7, 3, 2, "warn"), (5, 4, 3, "warn"),
+                                                  (5, 2, 3, "sync"), (5, 2, 3, "realign"), (5, 2, 3, "drop_last")])
+def test_check_forecasts_the_real_counts(tmp_path, n, g, epochs, policy):
+    result = run(tmp_path, n, g, epochs, policy=policy)
+    proc = stepsync("check", "--samples", str(n), "--gas", str(g), "--epochs", str(epochs), "--policy", policy,
+                    "--json")
+    data = json.loads(proc.stdout)
+    assert [(e["trainer_steps"], e["engine_steps"]) for e in data["epochs"]] == result.recording.epoch_ends
+    assert (data["trainer_steps"], data["engine_steps"]) == (result.trainer.state.global_step,
+                                                              result.engine.global_steps)
+    assert proc.returncode == (0 if data["aligned"] else 1)
+
+
+@pytest.fixture(scope="module")
+def run_dirs(tmp_path_factory):
+    """Output folders of real runs, N=3, G=2, 2 epochs, a checkpoint at every update."""
+    base = tmp_path_factory.mktemp("runs")
+    for name, policy in (("plain", None), ("sync", "sync"), ("drop_last", "drop_last")):
+        run(base / name, 3, 2, 2, policy=policy, save_strategy="steps", save_steps=1)
+    return base
+
+
+def inspect(path):
+    proc = stepsync("inspect", str(path), "--json")
+    assert "Traceback" not in proc.stderr
+    return proc.returncode, json.loads(proc.stdout) if proc.stdout else None
+
+
+def test_inspect_a_run_without_stepsync(run_dirs):
+    code, data = inspect(run_dirs / "plain")
+    rows = {c["name"]: (c["trainer_step"], c["deepspeed_tag"]) for c in data["checkpoints"]}
+    if DRIFTS:  # the DeepSpeed 7405 pattern: checkpoint-2 holds global_step1, checkpoint-4 global_step3
+        assert rows == {"checkpoint-1": (1, "global_step1"), "checkpoint-2": (2, "global_step1"),
+                        "checkpoint-3": (3, "global_step2"), "checkpoint-4": (4, "global_step3")}
+        assert code == 1 and data["mismatches"] == 3 and data["safe_to_resume"] == "checkpoint-1"
+        bad = next(c for c in data["checkpoints"] if c["name"] == "checkpoint-4")
+        assert bad["drift"] == 1 and "holds DeepSpeed's global_step3" in bad["mismatches"][0]
+    else:
+        assert all(step == int(tag[len("global_step"):]) for step, tag in rows.values())
+        assert code == 0 and data["safe_to_resume"] == "checkpoint-4"
+
+
+@pytest.mark.parametrize("name, last", [("sync", "checkpoint-4"), ("drop_last", "checkpoint-2")])
+def test_inspect_a_run_with_a_remedy(run_dirs, name, last):
+    code, data = inspect(run_dirs / name)
+    assert code == 0 and data["ok"] and data["safe_to_resume"] == last
+    assert all(c["stepsync_record"]["trainer_steps"] == c["trainer_step"] for c in data["checkpoints"])
+
+
+def corrupt(run_dirs, tmp_path, how):
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dirs / "sync", copy)
+    target = copy / "checkpoint-4"
+    if how == "no latest":
+        (target / "latest").unlink()
+    elif how == "bad trainer_state":
+        (target / "trainer_state.json").write_text("{truncated")
+    elif how == "empty folder":
+        shutil.rmtree(target)
+        target.mkdir()
+    elif how == "a file":
+        shutil.rmtree(target)
+        target.write_text("")
+    elif how == "latest names a missing folder":
+        (target / "latest").write_text("global_step9")
+    elif how == "bad record":
+        state = json.loads((target / "trainer_state.json").read_text())
+        state["stateful_callbacks"]["StepSyncCallback"]["attributes"]["saved_record"]["trainer_steps"] = "x"
+        (target / "trainer_state.json").write_text(json.dumps(state))
+    return copy
+
+
+@pytest.mark.reliability("bad_input")
+@pytest.mark.parametrize("how, message", [
+    ("no latest", "but no 'latest' file: DeepSpeed's save did not finish"),
+    ("bad trainer_state", "is not valid JSON"),
+    ("empty folder", "is empty: the save did not complete"),
+    ("a file", "is not a directory"),
+    ("latest names a missing folder", "names global_step9 but there is no such folder"),
+    ("bad record", "stepsync's record is unreadable"),
+])
+def test_inspect_a_corrupted_copy(run_dirs, tmp_path, how, message):
+    code, data = inspect(corrupt(run_dirs, tmp_path, how))
+    broken = next(c for c in data["checkpoints"] if c["name"] == "checkpoint-4")
+    assert code == 1 and not broken["ok"]
+    assert any(message in text for text in broken["problems"] + broken["mismatches"]), broken
+    assert data["safe_to_resume"] == "checkpoint-3"  # the newest whole one
+    proc = stepsync("inspect", str(tmp_path / "copy"))  # the table view says the same, without a traceback
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "checkpoint-3" in proc.stdout
+
+
+def test_demo_compare_shows_the_drift_and_the_fix():
+    import subprocess
+    import sys
+
+    from harness.runs import child_env
+
+    proc = subprocess.run([sys.executable, "-m", "stepsync", "demo", "--compare"], env=child_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    flat = " ".join(out.split())
+    # The problem first, with its verdict, then the fix, then one line that compares them.
+    assert out.index("policy 'warn' (only watches") < out.index("policy 'sync' (the remedy)")
+    if DRIFTS:
+        assert "affected: the Trainer counts 4 updates, the engine makes 3" in flat
+        assert "policy 'warn': Trainer 4, engine 3 (drift +1); policy 'sync': Trainer 4, engine 4 (drift +0)" in flat
+    else:  # an aligned stack says so, and how to see the drift
+        assert "This stack does not drift" in flat and "accelerate < 1.8" in flat
+        assert "policy 'warn': Trainer 4, engine 4 (drift +0)" in flat
+    # A pipe gets 80 columns: nothing cut.
+    assert [line for line in out.splitlines() if "…" in line or len(line) > 80] == []

@@ -1,0 +1,125 @@
+"""Real clients nobody here wrote: TRL's SFTTrainer, and a PEFT LoRA model under ZeRO-2, on the real engine.
+
+Each run is checked against the independent recorder (harness.runs.recorder). They run where TRL and
+PEFT are installed (the drifting stack, scripts/stack.sh).
+"""
+import pytest
+
+from harness.stack import DRIFTS, needs_stack
+
+pytestmark = [needs_stack, pytest.mark.integration]
+
+N, G, EPOCHS = 5, 2, 3  # the Trainer counts 3 updates per epoch; a drifting engine makes 7 in all
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer built in memory (nothing downloaded), and the words it knows."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [f"w{i}" for i in range(60)]
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[EOS]": 2, **{word: i + 3 for i, word in enumerate(words)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]"), words
+
+
+def check(trainer, callback, recording, policy):
+    report = callback.report
+    final = (trainer.state.global_step, trainer.model_wrapped.global_steps)
+    expected_engine = 7 if DRIFTS and policy == "warn" else 9
+    assert final == (9, expected_engine)
+    assert (report.trainer_steps, report.engine_steps) == final
+    assert [(row.trainer_steps, row.engine_steps) for row in report.epochs] == recording.epoch_ends
+    assert [(row.trainer_steps, row.engine_steps) for row in report.forecast.epochs] == recording.epoch_ends
+    assert report.forecast_mismatches == [] and report.finished
+    assert all("stepsync/drift" in record for record in trainer.state.log_history)
+    if policy == "sync":
+        assert recording.engine_updates_at == recording.trainer_updates_at
+
+
+@pytest.mark.parametrize("policy", ["warn", "sync"])
+def test_trl_sft_trainer(tmp_path, policy):
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from stepsync import StepSyncCallback
+    from harness.runs import Recording, recorder
+    from stepsync.tools.tiny_run import cpu_distributed_env, deepspeed_config, tiny_model
+
+    cpu_distributed_env()
+    tokenizer, words = tiny_tokenizer()
+    data = Dataset.from_dict({"text": [" ".join(words[i:i + 6]) for i in range(N)]})
+    # On CPU, TRL's default bf16=True must be turned off.
+    args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=1, gradient_accumulation_steps=G,
+                         num_train_epochs=EPOCHS, max_length=16, bf16=False, learning_rate=1e-2, report_to=[],
+                         logging_steps=1, save_strategy="no", disable_tqdm=True, use_cpu=True,
+                         deepspeed=deepspeed_config(0))
+    callback, recording, ref = StepSyncCallback(policy, console=False), Recording(), []
+    trainer = trl.SFTTrainer(model=tiny_model(), args=args, train_dataset=data, processing_class=tokenizer,
+                             callbacks=[recorder(ref, recording), callback])
+    ref.append(trainer)
+    trainer.train()
+    check(trainer, callback, recording, policy)
+
+
+@pytest.mark.parametrize("policy", ["warn", "sync"])
+def test_peft_lora_under_zero_2(tmp_path, policy):
+    peft = pytest.importorskip("peft")
+    from stepsync import StepSyncCallback
+    from harness.runs import run_tiny
+    from stepsync.tools.tiny_run import tiny_model
+
+    def lora():
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True,
+                                 task_type="CAUSAL_LM")
+        return peft.get_peft_model(tiny_model(), config)
+
+    callback = StepSyncCallback(policy, console=False)
+    result = run_tiny(str(tmp_path), samples=N, gas=G, epochs=EPOCHS, stage=2, callback=callback, model=lora())
+    assert result.error is None, repr(result.error)
+    trainable = [name for name, p in result.trainer.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in name for name in trainable)
+    check(result.trainer, callback, result.recording, policy)
+
+
+def grpo_trainer(tmp_path, policy, steps_per_generation, prompts=6):
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from stepsync import StepSyncCallback
+    from harness.runs import Recording, recorder
+    from stepsync.tools.tiny_run import cpu_distributed_env, deepspeed_config, tiny_model
+
+    cpu_distributed_env()
+    tokenizer, words = tiny_tokenizer()
+    data = Dataset.from_dict({"prompt": [" ".join(words[i:i + 3]) for i in range(prompts)]})
+    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                          num_generations=2, steps_per_generation=steps_per_generation, max_completion_length=4,
+                          num_train_epochs=2, bf16=False, learning_rate=1e-2, report_to=[], logging_steps=1,
+                          save_strategy="no", disable_tqdm=True, use_cpu=True, deepspeed=deepspeed_config(0))
+    callback, recording, ref = StepSyncCallback(policy, console=False), Recording(), []
+    model = tiny_model()
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=lambda completions, **kwargs: [float(len(c)) for c in completions],
+                              args=args, train_dataset=data, processing_class=tokenizer,
+                              callbacks=[recorder(ref, recording), callback])
+    ref.append(trainer)
+    return trainer, callback
+
+
+def test_trl_grpo_refuses_drop_last_with_its_own_fix(tmp_path):
+    from stepsync import StepSyncConfigError
+
+    trainer, _ = grpo_trainer(tmp_path, "drop_last", steps_per_generation=3, prompts=3)
+    with pytest.raises(StepSyncConfigError, match=r"steps_per_generation=3.*multiple of gradient_accumulation_steps=2"):
+        trainer.train()
+    assert trainer.model_wrapped.global_steps == 0  # refused before the first micro-batch
+
+
+def test_trl_grpo_remedy_names_steps_per_generation(tmp_path):
+    trainer, callback = grpo_trainer(tmp_path, "warn", steps_per_generation=3, prompts=3)
+    trainer.train()
+    events = callback.report.events  # 3 micro-batches an epoch, G=2: the Trainer 4, a drifting engine 3
+    assert len(events) == (1 if DRIFTS else 0)
+    assert all("steps_per_generation to a multiple of gradient_accumulation_steps=2" in e.remedy for e in events)

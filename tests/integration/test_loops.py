@@ -1,0 +1,178 @@
+"""stepsync.watch on custom accelerate + DeepSpeed loops: real accelerate, real DeepSpeed, CPU.
+
+The loops are shaped like transformers' run_clm_no_trainer.py; each records its own count and the engine's
+after every micro-batch (harness.loops.run_loop), and stepsync's report must equal that record.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from harness.stack import DRIFTS, needs_stack
+
+pytestmark = [needs_stack, pytest.mark.integration]
+
+N, G, EPOCHS = 5, 2, 2  # accelerate's accumulate(): windows at 2, 4 and the epoch's end (5)
+
+
+def loop(policy="warn", **kwargs):
+    from harness.loops import run_loop
+
+    return run_loop(N, G, EPOCHS, policy, **kwargs)
+
+
+def check_against_the_loops_record(result):
+    report = result.watch.report
+    assert result.error is None, repr(result.error)
+    assert report.active and report.finished
+    assert [(r.trainer_steps, r.engine_steps) for r in report.epochs] == result.epoch_ends
+    assert (report.trainer_steps, report.engine_steps) == (result.loop_steps[-1], result.engine_steps[-1])
+    assert [(r.trainer_steps, r.engine_steps) for r in report.forecast.epochs] == result.epoch_ends
+    assert report.forecast_mismatches == [] and report.micro_batches == N * EPOCHS
+
+
+def test_warn_reports_the_loops_real_drift_and_changes_nothing():
+    watched, plain = loop("warn"), loop(None)
+    check_against_the_loops_record(watched)
+    # The same run as without stepsync, micro-batch by micro-batch.
+    assert (watched.loop_steps, watched.engine_steps) == (plain.loop_steps, plain.engine_steps)
+    assert watched.loop_updates_at == [2, 4, 5, 7, 9, 10]
+    report = watched.watch.report
+    if DRIFTS:  # accelerate < 1.8: the engine's own counter, across epochs
+        assert watched.epoch_ends == [(3, 2), (6, 5)] and watched.engine_updates_at == [2, 4, 6, 8, 10]
+        first = report.events[0]
+        assert (first.epoch, first.micro_batch, first.cause.name, first.counter) == (1, 5, "PARTIAL_WINDOW",
+                                                                                  "loop updates")
+        assert "stepsync.watch" in first.remedy and "loop updates=3" in first.message()
+    else:
+        assert watched.epoch_ends == [(3, 3), (6, 6)] and report.events == []
+    assert str(report).startswith("stepsync report (policy 'warn'): your loop 6 updates")
+
+
+def test_warn_leaves_the_parameters_as_they_were():
+    import torch
+
+    from harness.runs import final_parameters
+
+    watched, plain = loop("warn"), loop(None)
+    assert torch.equal(final_parameters(watched), final_parameters(plain))
+
+
+def test_raise_stops_the_loop_at_the_first_divergence():
+    from stepsync import StepDriftError
+
+    result = loop("raise")
+    if DRIFTS:
+        assert isinstance(result.error, StepDriftError)
+        assert (result.error.event.trainer_steps, result.error.event.engine_steps) == (3, 2)
+        assert len(result.engine_steps) == N - 1  # the loop's own record stops before the raising micro-batch ends
+    else:
+        assert result.error is None and result.watch.report.events == []
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_sync_makes_the_engine_update_where_the_loop_counts(stage):
+    result = loop("sync", stage=stage)
+    check_against_the_loops_record(result)
+    assert result.engine_updates_at == result.loop_updates_at == [2, 4, 5, 7, 9, 10]
+    assert result.epoch_ends == [(3, 3), (6, 6)] and result.watch.report.drift == 0
+    if DRIFTS:  # given back: the engine decides its boundaries again
+        assert result.engine._is_gradient_accumulation_boundary is None
+    else:
+        assert any("does nothing here" in note for note in result.watch.report.notes)
+    assert "backward" not in vars(result.accelerator)  # the accelerator's own method is back
+
+
+def test_backward_outside_accumulate_is_named_with_the_fix():
+    result = loop("warn", outside_accumulate=True)
+    notes = [n for n in result.watch.report.notes if "outside `with accelerator.accumulate(model):`" in n]
+    assert result.error is None and len(notes) == 1
+    if DRIFTS:
+        assert result.epoch_ends == [(5, 2), (10, 5)]  # the loop counts every micro-batch, the engine every G-th
+    else:  # accelerate >= 1.8: sync_gradients stays True, so the engine updates on every micro-batch
+        assert result.epoch_ends == [(5, 5), (10, 10)] and "the engine updates on every micro-batch" in notes[0]
+    assert notes[0].count(" while ") <= 1 and "; put the forward, backward" in notes[0]  # one sentence, read once
+    events = result.watch.report.events
+    assert len(events) == (5 if DRIFTS else 0)  # the drift grows at every second micro-batch: +1 .. +5
+    assert all(e.cause.name == "OUTSIDE_ACCUMULATE" and "inside `with accelerator.accumulate" in e.remedy
+               for e in events)
+    assert not any("please report" in m for m in result.watch.report.forecast_mismatches)
+
+
+def test_metrics_go_through_accelerator_log():
+    class Tracker:
+        name = "memory"
+        main_process_only = True
+
+        def __init__(self):
+            self.records = []
+
+        def log(self, values, step=None, **kwargs):
+            self.records.append((step, dict(values)))
+
+    tracker = Tracker()
+    result = loop("warn", trackers=[tracker])
+    assert result.error is None
+    assert [step for step, _ in tracker.records] == list(range(1, 7))  # one record per update the loop counts
+    last = tracker.records[-1][1]
+    assert (last["stepsync/loop_steps"], last["stepsync/engine_steps"]) == (6, 5 if DRIFTS else 6)
+    assert last["stepsync/drift"] == last["stepsync/loop_steps"] - last["stepsync/engine_steps"]
+
+
+@pytest.mark.reliability("bad_input")
+@pytest.mark.parametrize("policy, fix", [("realign", "adopt watch.report.engine_steps"),
+                                         ("drop_last", "use policy='sync'"), ("fix-it", "Possible choices")])
+def test_a_policy_that_cannot_serve_a_loop_is_refused(policy, fix):
+    import stepsync
+
+    with pytest.raises(ValueError, match=fix.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        stepsync.watch(object(), policy)
+
+
+@pytest.mark.reliability("bad_input")
+def test_watch_before_prepare_names_the_fix():
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DeepSpeedPlugin
+
+    import stepsync
+    from stepsync import StepSyncConfigError
+    from stepsync.tools.tiny_run import cpu_distributed_env
+    from harness.loops import loop_deepspeed_config
+
+    cpu_distributed_env()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = Accelerator(gradient_accumulation_steps=G,
+                              deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=loop_deepspeed_config(G)))
+    with pytest.raises(StepSyncConfigError, match=r"call it after accelerator\.prepare"):
+        stepsync.watch(accelerator, "sync")
+
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "loop_param_run.py")
+
+
+def parameters_on(python, out, policy):
+    import torch
+
+    from harness.runs import child_env
+
+    env = child_env()
+    if python != sys.executable:
+        env.pop("TORCH_EXTENSIONS_DIR", None)
+    proc = subprocess.run([python, SCRIPT, policy, str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out)
+
+
+def test_sync_on_a_drifting_stack_trains_what_the_aligned_stack_trains(tmp_path):
+    """As tests/test_numerics.py does for the Trainer: same loop, same seed, only the windows can differ."""
+    aligned = os.environ.get("STEPSYNC_ALIGNED_PYTHON")
+    if not DRIFTS or not aligned:
+        pytest.skip("runs on the drifting stack, against STEPSYNC_ALIGNED_PYTHON (scripts/test.sh sets it)")
+    reference = parameters_on(aligned, tmp_path / "aligned.pt", "none")
+    synced = parameters_on(sys.executable, tmp_path / "sync.pt", "sync")
+    plain = parameters_on(sys.executable, tmp_path / "plain.pt", "none")
+    assert (synced - reference).abs().max().item() <= 1e-6  # see test_numerics.TOLERANCE
+    assert (plain - reference).abs().max().item() > 1e-3  # without the fix the windows, and so the weights, differ

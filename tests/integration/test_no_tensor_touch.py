@@ -1,0 +1,47 @@
+"""stepsync's hooks read integer counters only: no tensor op, no .item(), no .cpu(), nothing that waits for a
+device. Every torch call made during real runs is seen through a TorchFunctionMode; a call whose nearest
+non-torch caller is stepsync's own code fails the test."""
+import os
+import sys
+
+import pytest
+
+from harness.stack import needs_stack
+from harness.runs import run
+
+pytestmark = [needs_stack, pytest.mark.integration]
+
+PACKAGE = os.path.dirname(os.path.abspath(__import__("stepsync").__file__))
+HARNESS = os.path.join(PACKAGE, "tools", "tiny_run.py")  # the tiny run itself, not the callback
+
+
+def touching_modes():
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class Watch(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.touches = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            frame = sys._getframe(1)
+            while frame is not None and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
+                frame = frame.f_back
+            if frame is not None:
+                path = frame.f_code.co_filename
+                if path.startswith(PACKAGE) and path != HARNESS:
+                    self.touches.append(f"{getattr(func, '__name__', func)} from {path}:{frame.f_lineno}")
+            return func(*args, **(kwargs or {}))
+
+    return Watch(), torch
+
+
+@pytest.mark.parametrize("policy", ["warn", "raise", "sync", "realign", "drop_last"])
+def test_hooks_touch_no_tensor(tmp_path, policy):
+    watch, _ = touching_modes()
+    with watch:
+        result = run(tmp_path, 4 if policy == "raise" else 3, 2, 2, policy=policy, save_strategy="steps", save_steps=2)
+    assert result.error is None
+    assert result.callback.report.active and result.callback.report.finished
+    assert watch.touches == []

@@ -1,0 +1,102 @@
+"""Save mid-training, resume, and end where the uninterrupted run ends: real Trainer, real DeepSpeed, CPU."""
+import json
+
+import pytest
+
+from harness.stack import DRIFTS, needs_stack
+from harness.runs import run
+
+pytestmark = [needs_stack, pytest.mark.integration, pytest.mark.reliability("resume")]
+
+N, G, EPOCHS = 5, 2, 3  # 3 Trainer windows per epoch, the last one partial
+
+
+def save_point(result, step):
+    """1-based micro-batch index of the step end that saved ``checkpoint-step``."""
+    rec = result.recording
+    return next(i for i in rec.trainer_updates_at if rec.trainer_steps[i - 1] == step)
+
+
+def after(indices, start):
+    return [i - start for i in indices if i > start]
+
+
+@pytest.mark.parametrize("policy, step", [("sync", 4), ("realign", 4), ("drop_last", 3)])
+def test_a_resumed_remedy_ends_where_the_uninterrupted_run_ends(tmp_path, policy, step):
+    full = run(tmp_path / "full", N, G, EPOCHS, policy=policy, save_strategy="steps", save_steps=step)
+    folder = tmp_path / "full" / f"checkpoint-{step}"
+    resumed = run(tmp_path / "resumed", N, G, EPOCHS, policy=policy, resume_from_checkpoint=str(folder))
+    assert full.error is None and resumed.error is None
+    final = (full.trainer.state.global_step, full.engine.global_steps)
+    assert final[0] == final[1]
+    assert (resumed.trainer.state.global_step, resumed.engine.global_steps) == final
+    report = resumed.callback.report
+    assert (report.trainer_steps, report.engine_steps, report.drift, report.events) == (*final, 0, [])
+    assert report.resumed_from.trainer_steps == report.resumed_from.engine_steps == step
+    assert report.forecast_mismatches == [] and report.forecast.drift == 0
+    # Not one micro-batch is trained twice or skipped: the resume starts right after the save.
+    saved_at = save_point(full, step)
+    if policy == "realign":
+        # realign ends the run at the engine's last update. DeepSpeed restarts its windows at a resume, so that
+        # update may come a micro-batch later than in the uninterrupted run; never past the data's end.
+        full_after = after(full.recording.trainer_updates_at, saved_at)
+        assert resumed.recording.trainer_updates_at[:len(full_after)] == full_after
+        assert len(full.recording.engine_steps) - saved_at <= len(resumed.recording.engine_steps) <= N * EPOCHS - saved_at
+    else:
+        assert len(resumed.recording.engine_steps) == len(full.recording.engine_steps) - saved_at
+        assert resumed.recording.trainer_updates_at == after(full.recording.trainer_updates_at, saved_at)
+    assert all(t == e for t, e in resumed.recording.epoch_ends)
+    assert (folder / "latest").read_text().strip() == f"global_step{step}"
+    if policy != "realign":  # realign's windows are DeepSpeed's own; they restart at a resume
+        assert resumed.recording.engine_updates_at == after(full.recording.engine_updates_at, saved_at)
+    if policy == "drop_last":
+        assert report.dropped_micro_batches == full.callback.report.dropped_micro_batches == {1: 1, 2: 1, 3: 1}
+
+
+def test_drop_last_saves_the_count_the_trainer_resumes_from(tmp_path):
+    """drop_last makes 2 updates per epoch where the Trainer plans ceil(5/2) = 3: checkpoint-3 (epoch 2 after
+    one window) keeps global_step 3 in stepsync's record and 3 * 1 + 1 = 4 in trainer_state.json."""
+    run(tmp_path, N, G, EPOCHS, policy="drop_last", save_strategy="steps", save_steps=3)
+    state = json.loads((tmp_path / "checkpoint-3" / "trainer_state.json").read_text())
+    from stepsync.core.record import load_record
+
+    record = load_record(str(tmp_path / "checkpoint-3"))
+    assert (state["global_step"], record.trainer_steps, record.resume_steps) == (4, 3, 4)
+    assert (record.next_epoch, record.next_skip, record.unapplied_at_save) == (1, 2, 0)
+
+
+def test_warn_report_covers_the_whole_run_across_a_resume(tmp_path):
+    full = run(tmp_path / "full", N, G, EPOCHS, save_strategy="steps", save_steps=4)
+    resumed = run(tmp_path / "resumed", N, G, EPOCHS, resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-4"))
+    report = resumed.callback.report
+    assert resumed.error is None
+    first = full.callback.report.events[:1]
+    if not DRIFTS:
+        assert report.events == [] and report.drift == 0 and report.resumed_from.unapplied_at_save == 0
+        return
+    # The saved run's first event opens the resumed report; the inherited drift is not reported twice.
+    assert report.events[:1] == first and "INHERITED" not in [e.cause.name for e in report.events]
+    assert (report.resumed_from.trainer_steps, report.resumed_from.engine_steps) == (4, 3)
+    # checkpoint-4 was saved with micro-batch 7 in DeepSpeed's open window: DeepSpeed saves neither its
+    # gradient nor micro_steps, so the resumed engine opens fresh windows (updates at resumed micro-batches
+    # 2, 4, 6, 8 instead of 1, 3, 5, 7) and micro-batch 7's gradient is never applied.
+    assert report.resumed_from.unapplied_at_save == 1
+    assert after(full.recording.engine_updates_at, 7) == [1, 3, 5, 7]
+    assert resumed.recording.engine_updates_at == [2, 4, 6, 8]
+    assert any("are lost and the engine's windows restart here" in note for note in report.notes)
+    assert (resumed.trainer.state.global_step, resumed.engine.global_steps) == (9, 7)
+    assert report.forecast_mismatches == []
+
+
+def test_an_unreadable_record_is_reported_and_the_run_goes_on(tmp_path):
+    run(tmp_path / "full", N, G, EPOCHS, policy="sync", save_strategy="steps", save_steps=4)
+    folder = tmp_path / "full" / "checkpoint-4"
+    state_path = folder / "trainer_state.json"
+    state = json.loads(state_path.read_text())
+    state["stateful_callbacks"]["StepSyncCallback"]["attributes"]["saved_record"] = {"format": 1, "policy": "sync"}
+    state_path.write_text(json.dumps(state))
+    resumed = run(tmp_path / "resumed", N, G, EPOCHS, policy="sync", resume_from_checkpoint=str(folder))
+    report = resumed.callback.report
+    assert resumed.error is None and report.active and report.resumed_from is None
+    assert any("record in the checkpoint is unreadable" in note for note in report.notes)
+    assert (resumed.trainer.state.global_step, resumed.engine.global_steps, report.drift) == (9, 9, 0)

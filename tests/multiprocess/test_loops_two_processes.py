@@ -1,0 +1,79 @@
+"""Custom accelerate loops on two ranks (torchrun): every rank counts, decides and reports the same.
+
+accelerate <= 1.7 runs accumulate() under the engine's no_sync() on several ranks, and DeepSpeed >= 0.16
+refuses engine.step() there: such a loop fails upstream, with or without stepsync (the drifting stack shows
+it). So two ranks are proven on t446 (accelerate 1.1.1, DeepSpeed 0.15.4: it drifts) and t457f (accelerate
+1.8.0: aligned). accelerate 1.16 on a CPU-only machine counts one process under torchrun unless told cpu=True,
+which drops DeepSpeed: the aligned stack cannot show two ranks here.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from harness.stack import STACK, needs_stack
+
+pytestmark = [needs_stack, pytest.mark.integration, pytest.mark.twoproc]
+
+TWO_RANK_LOOPS = {"t446": (4, 3), "t457f": (4, 4)}  # loop / engine updates: 6 micro-batches per rank, G=4, 2 epochs
+
+
+def torchrun(tmp_path, *policies):
+    from harness.runs import child_env
+
+    env = child_env(dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1"))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    script = os.path.join(os.path.dirname(__file__), "twoproc_loops.py")
+    try:  # a rank left waiting in a collective fails the test instead of hanging CI
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                               "--master_port", port, script, str(tmp_path), *policies],
+                              env=env, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"two-process loop hung: {exc}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.load(open(tmp_path / f"rank-{rank}.json")) for rank in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    if STACK not in TWO_RANK_LOOPS:
+        pytest.skip("two-rank custom loops run on t446 and t457f (see the module's docstring)")
+    return torchrun(tmp_path_factory.mktemp("loops"))
+
+
+def test_both_ranks_take_part_and_agree(ranks):
+    for policy in ("warn", "sync", "raise"):
+        a, b = ranks[0][policy], ranks[1][policy]
+        assert a["world_size"] == b["world_size"] == 2
+        for key in ("epoch_ends", "error", "events", "report_counts", "loop_updates_at", "engine_updates_at"):
+            assert a[key] == b[key], (policy, key)
+
+
+def test_every_rank_reports_what_its_loop_saw(ranks):
+    loop, engine = TWO_RANK_LOOPS[STACK]
+    for rank in ranks:
+        warn = rank["warn"]
+        assert warn["epoch_ends"] == warn["report_epochs"] == warn["forecast"]
+        assert tuple(warn["report_counts"]) == (loop, engine)
+        sync = rank["sync"]
+        assert sync["error"] is None and sync["engine_updates_at"] == sync["loop_updates_at"]
+        assert tuple(sync["report_counts"]) == (loop, loop) and sync["epoch_ends"] == sync["forecast"]
+
+
+def test_raise_stops_every_rank_at_the_same_step(ranks):
+    drifts = TWO_RANK_LOOPS[STACK][0] != TWO_RANK_LOOPS[STACK][1]
+    for rank in ranks:
+        assert rank["raise"]["error"] == ("StepDriftError" if drifts else None)
+
+
+def test_accelerate_17_with_deepspeed_019_cannot_run_a_two_rank_loop_even_without_stepsync(tmp_path):
+    if STACK != "drifting":
+        pytest.skip("the drifting stack's upstream limit")
+    for rank in torchrun(tmp_path, "none"):
+        assert rank["none"]["world_size"] == 2
+        assert "It is illegal to call Engine.step() inside no_sync context manager" in rank["none"]["error"]

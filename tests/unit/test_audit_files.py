@@ -1,0 +1,64 @@
+"""`inspect` on DeepSpeed's files, laid out as two ranks and two nodes save them (standard-library archives)."""
+import json
+
+import pytest
+
+from harness.stack import write_torch_archive
+from stepsync.tools.audit import audit_output_dir
+
+
+def checkpoint(root, step, ranks, stage, world, latest=True, rng_ranks=None, skip=(), engine_step=None):
+    """checkpoint-STEP as ranks ``ranks`` of a ``world``-rank ZeRO-``stage`` run save it (files in ``skip`` left out)."""
+    folder = root / f"checkpoint-{step}"
+    engine_step = step if engine_step is None else engine_step
+    tag = folder / f"global_step{engine_step}"
+    tag.mkdir(parents=True)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    if latest:
+        (folder / "latest").write_text(f"global_step{engine_step}")
+    for rank in (ranks if rng_ranks is None else rng_ranks):
+        write_torch_archive(folder / (f"rng_state_{rank}.pth" if world > 1 else "rng_state.pth"), {})
+    content = {"dp_world_size": world, "ds_config": {"zero_optimization": {"stage": stage}}}
+    names = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in ranks] if stage == 3 else \
+        ["mp_rank_00_model_states.pt"]
+    names += [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in ranks] if stage else []
+    for name in names:
+        if name not in skip:
+            write_torch_archive(tag / name, content)
+    return folder
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_two_ranks_in_one_dir_are_whole(tmp_path, stage):
+    checkpoint(tmp_path, 2, [0, 1], stage, 2)
+    audit = audit_output_dir(str(tmp_path))
+    assert audit.ok and audit.safe.name == "checkpoint-2"
+
+
+@pytest.mark.parametrize("stage, name", [(2, "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+                                         (3, "zero_pp_rank_1_mp_rank_00_model_states.pt"),
+                                         (3, "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+                                         (0, "mp_rank_00_model_states.pt")])
+@pytest.mark.parametrize("rng_files", [True, False])
+def test_a_missing_rank_file_is_named(tmp_path, stage, name, rng_files):
+    """The ranks a resume needs come from the Trainer's RNG files, else from the world size in the pickle."""
+    checkpoint(tmp_path, 2, [0, 1], stage, 2, rng_ranks=None if rng_files else [], skip=(name,))
+    item = audit_output_dir(str(tmp_path)).checkpoints[0]
+    assert [p for p in item.problems if name in p and "is missing" in p], item.problems
+    assert audit_output_dir(str(tmp_path)).safe is None
+
+
+def test_a_nodes_own_copy_is_recognised_and_its_drift_checked(tmp_path):
+    # Node 1 of two (save_on_each_node=True): its own model states and rank 1's optimizer states, no 'latest'.
+    checkpoint(tmp_path, 4, [1], 2, 2, latest=False, engine_step=3)
+    item = audit_output_dir(str(tmp_path)).checkpoints[0]
+    assert item.node_local and item.deepspeed_step == 3 and item.drift == 1
+    assert len(item.problems) == 1 and "Copy node 0's checkpoint-4/latest here (it says global_step3)" in item.problems[0]
+    assert not item.ok
+
+
+def test_a_save_that_stopped_before_latest_is_not_a_nodes_copy(tmp_path):
+    checkpoint(tmp_path, 2, [0, 1], 2, 2, latest=False)
+    item = audit_output_dir(str(tmp_path)).checkpoints[0]
+    assert not item.node_local and "DeepSpeed's save did not finish" in item.problems[0]
+    assert item.drift == 0

@@ -1,0 +1,143 @@
+"""The command line through its real entry point (a subprocess)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from harness.cli import stepsync
+
+
+def test_check_seed_case_drifts_on_accelerate_17():
+    proc = stepsync("check", "--samples", "3", "--gas", "2", "--epochs", "2", "--transformers", "5.24.0",
+                    "--accelerate", "1.7.0", "--deepspeed", "0.19.8", "--json")
+    assert proc.returncode == 1, proc.stderr
+    data = json.loads(proc.stdout)
+    assert (data["trainer_steps"], data["engine_steps"], data["drift"]) == (4, 3, 1)
+    assert [(e["trainer_steps"], e["engine_steps"]) for e in data["epochs"]] == [(2, 1), (4, 3)]
+
+
+def test_check_aligned_stack_exits_0():
+    proc = stepsync("check", "--samples", "3", "--gas", "2", "--epochs", "2", "--transformers", "5.24.0",
+                    "--accelerate", "1.16.0", "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["drift"] == 0
+
+
+def test_check_policy_sync_forecasts_no_drift():
+    proc = stepsync("check", "--samples", "3", "--gas", "2", "--epochs", "2", "--accelerate", "1.7.0",
+                    "--transformers", "5.24.0", "--policy", "sync", "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["engine_steps"] == 4
+
+
+@pytest.mark.reliability("bad_input")
+@pytest.mark.parametrize("args, fix", [
+    (["--samples", "3", "--gas", "0"], "--gas: 0 must be >= 1"),
+    (["--samples", "-3", "--gas", "2"], "must be >= 1"),
+    (["--samples", "3", "--micro-batches-per-epoch", "3", "--gas", "2"], "not allowed with argument"),
+    (["--samples", "3", "--gas", "2", "--policy", "nope"], "Possible choices are"),
+    (["--samples", "3", "--gas", "2", "--accelerate", "x.y"], "cannot read the version"),
+    (["--samples", "3", "--gas", "2", "--epochs", "0"], "--epochs must be > 0"),
+    (["--samples", "3", "--gas", "2", "--epochs", "-1"], "--epochs must be > 0"),
+    (["--samples", "3", "--gas", "2", "--max-steps", "0"], "--max-steps: 0 must be >= 1"),
+    (["--samples", "3"], "gradient_accumulation_steps is not given: pass --gas"),
+    (["--gas", "2"], "pass --samples or --micro-batches-per-epoch"),
+    (["--samples", "1", "--batch-size", "2", "--gas", "2", "--drop-last"], "lower the batch size"),
+    (["--samples", "3", "--training-args", "/nonexistent/args.json"], "does not exist"),
+    (["--samples", "3", "--gas", "2", "--deepspeed-config", "/nonexistent/ds.json"], "does not exist"),
+])
+def test_bad_input_exits_2_naming_the_fix(args, fix):
+    proc = stepsync("check", *args)
+    assert proc.returncode == 2
+    assert fix in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_check_imports_neither_torch_nor_deepspeed():
+    code = ("import sys; from stepsync.tools.cli import main; main(['check','--samples','3','--gas','2','--json']);"
+            "print('torch' in sys.modules, 'deepspeed' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.stdout.strip().endswith("False False")
+
+
+def test_help_shows_an_example():
+    for args in (["--help"], ["check", "--help"], ["inspect", "--help"], ["demo", "--help"]):
+        proc = stepsync(*args)
+        assert proc.returncode == 0 and "example: stepsync" in proc.stdout
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_check_reads_training_args_and_deepspeed_config(tmp_path):
+    args = write(tmp_path, "args.json", json.dumps({"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+                                                     "num_train_epochs": 2.0, "max_steps": -1, "deepspeed": "ds.json",
+                                                     "dataloader_drop_last": False, "learning_rate": 1e-3}))
+    write(tmp_path, "ds.json", json.dumps({"train_micro_batch_size_per_gpu": "auto", "train_batch_size": 8,
+                                           "gradient_accumulation_steps": "auto"}))
+    # 12 samples on 8 / (2 x 2) = 2 ranks: 6 per rank, 3 micro-batches of 2 -> 3 per epoch.
+    proc = stepsync("check", "--samples", "12", "--training-args", args, "--transformers", "5.24.0",
+                    "--accelerate", "1.7.0", "--json")
+    assert proc.returncode == 1, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["inputs"] == {"micro_batches_per_epoch": 3, "batch_size": 2, "world_size": 2, "drop_last": False,
+                              "world_size_inferred": True}
+    assert (data["trainer_steps"], data["engine_steps"]) == (4, 3)
+    # A flag overrides the file: --epochs 1 -> 2 Trainer updates, 1 engine update.
+    proc = stepsync("check", "--samples", "12", "--training-args", args, "--epochs", "1", "--transformers", "5.24.0",
+                    "--accelerate", "1.7.0", "--json")
+    assert (json.loads(proc.stdout)["trainer_steps"], json.loads(proc.stdout)["engine_steps"]) == (2, 1)
+
+
+def test_deepspeed_config_alone_gives_g(tmp_path):
+    ds = write(tmp_path, "ds.json", json.dumps({"gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 1}))
+    proc = stepsync("check", "--samples", "3", "--epochs", "2", "--deepspeed-config", ds, "--accelerate", "1.7.0",
+                    "--transformers", "5.24.0", "--json")
+    assert proc.returncode == 1 and json.loads(proc.stdout)["drift"] == 1
+
+
+@pytest.mark.reliability("bad_input")
+@pytest.mark.parametrize("args_json, ds_json, fix", [
+    ("{not json", None, "is not valid JSON"),
+    ("[1, 2]", None, "must hold a JSON object"),
+    ('{"gradient_accumulation_steps": 0}', None, "gradient_accumulation_steps=0 in"),
+    ('{"gradient_accumulation_steps": "two"}', None, "must be a whole number"),
+    ('{"gradient_accumulation_steps": 2, "num_train_epochs": 0}', None, "num_train_epochs must be > 0"),
+    ('{"gradient_accumulation_steps": 2, "dataloader_drop_last": "yes"}', None, "must be true or false"),
+    ('{"gradient_accumulation_steps": 2}', '{"gradient_accumulation_steps": 4}', "set gradient_accumulation_steps to \"auto\""),
+    ('{"gradient_accumulation_steps": 2}', '{"train_batch_size": 3}', "is not a multiple of"),
+    ('{"gradient_accumulation_steps": 2}', '{"train_batch_size": "many"}', "must be a whole number"),
+    ('{"gradient_accumulation_steps": 2, "deepspeed": "missing.json"}', None, "does not exist"),
+])
+def test_bad_files_exit_2_naming_the_fix(tmp_path, args_json, ds_json, fix):
+    cli = ["check", "--samples", "3", "--training-args", write(tmp_path, "args.json", args_json)]
+    if ds_json is not None:
+        cli += ["--deepspeed-config", write(tmp_path, "ds.json", ds_json)]
+    proc = stepsync(*cli)
+    assert proc.returncode == 2, proc.stdout
+    assert fix in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_python_m_and_the_console_script_are_the_same():
+    import shutil
+
+    script = shutil.which("stepsync", path=os.path.dirname(sys.executable))
+    assert script is not None
+    args = ["check", "--samples", "3", "--gas", "2", "--epochs", "2", "--accelerate", "1.7.0", "--json"]
+    via_script = subprocess.run([script, *args], capture_output=True, text=True)
+    via_module = stepsync(*args)
+    assert (via_script.returncode, via_script.stdout) == (via_module.returncode, via_module.stdout) and via_script.stdout
+
+
+@pytest.mark.reliability("bad_input")
+@pytest.mark.parametrize("where, fix", [("missing", "does not exist"), ("file", "is not a directory"),
+                                        ("empty", "no checkpoint-N folders")])
+def test_inspect_bad_paths_exit_2(tmp_path, where, fix):
+    path = tmp_path / where
+    if where == "file":
+        path.write_text("x")
+    elif where == "empty":
+        path.mkdir()
+    proc = stepsync("inspect", str(path))
+    assert proc.returncode == 2 and fix in proc.stderr and "Traceback" not in proc.stderr

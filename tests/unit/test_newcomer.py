@@ -1,0 +1,240 @@
+"""A newcomer's first hour: install, find the command line, read output that fits a log, trust check."""
+import io
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from harness.stack import write_torch_archive
+from harness.cli import stepsync
+from harness.paths import REPO
+
+ROOT = REPO
+
+
+def test_version_names_stepsync_and_the_stack():
+    proc = stepsync("--version")
+    assert proc.returncode == 0
+    assert proc.stdout.startswith("stepsync ") and "transformers " in proc.stdout and "deepspeed " in proc.stdout
+
+
+def test_help_is_plain_text():
+    proc = stepsync("--help")
+    assert proc.returncode == 0 and "``" not in proc.stdout
+    for command in ("check", "inspect", "demo"):
+        assert f"  {command} " in proc.stdout
+
+
+@pytest.mark.reliability("bad_input")
+@pytest.mark.parametrize("version", ["4.10.0", "4.23.1"])
+def test_check_refuses_a_release_below_the_measured_range(version):
+    proc = stepsync("check", "--samples", "3", "--gas", "2", "--transformers", version)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "older than 4.24.0" in proc.stderr and "supported: 4.24.0 to 5.24.0" in proc.stderr
+
+
+def test_measured_means_probed_and_inferred_is_said():
+    measured = json.loads(stepsync("check", "--samples", "3", "--gas", "2", "--transformers", "5.24.0",
+                                   "--accelerate", "1.7.0", "--deepspeed", "0.19.8", "--json").stdout)
+    assert measured["stack"]["measured"] is True and measured["stack"]["caveats"] == []
+    newer = stepsync("check", "--samples", "3", "--gas", "2", "--transformers", "9.0.0", "--accelerate", "1.7.0",
+                     "--deepspeed", "0.19.8", "--json")
+    assert json.loads(newer.stdout)["stack"]["measured"] is False
+    human = stepsync("check", "--samples", "3", "--gas", "2", "--transformers", "9.0.0", "--accelerate", "1.7.0",
+                     "--deepspeed", "0.19.8")
+    assert "inferred from release notes, not measured" in " ".join(human.stdout.split())
+
+
+def test_training_args_without_a_deepspeed_config_are_said_to_be_assumed(tmp_path):
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"gradient_accumulation_steps": 2, "num_train_epochs": 2,
+                                "per_device_train_batch_size": 1}))
+    proc = stepsync("check", "--samples", "3", "--training-args", str(args), "--transformers", "5.24.0",
+                    "--accelerate", "1.7.0", "--deepspeed", "0.19.8", "--json")
+    notes = json.loads(proc.stdout)["notes"]
+    assert any("names no DeepSpeed config" in n and "accelerate's DeepSpeed plugin" in n for n in notes)
+
+
+def test_an_inferred_world_size_is_shown(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 16, "gradient_accumulation_steps": 8,
+                              "train_micro_batch_size_per_gpu": 1}))
+    proc = stepsync("check", "--samples", "12", "--deepspeed-config", str(ds), "--transformers", "5.24.0",
+                    "--accelerate", "1.7.0", "--deepspeed", "0.19.8", "--json")
+    data = json.loads(proc.stdout)
+    assert data["inputs"]["world_size"] == 2 and data["inputs"]["world_size_inferred"] is True
+    assert any("world size 2 inferred from train_batch_size=16" in n for n in data["notes"])
+    human = stepsync("check", "--samples", "12", "--deepspeed-config", str(ds), "--transformers", "5.24.0",
+                     "--accelerate", "1.7.0", "--deepspeed", "0.19.8")
+    assert "world size 2 inferred" in " ".join(human.stdout.split())
+
+
+def test_check_says_when_the_trainer_ends_early():
+    """transformers 4.51.3, 5 micro-batches, G=2, 3 epochs: planned 6, counts 3 per epoch (measured)."""
+    proc = stepsync("check", "--samples", "5", "--gas", "2", "--epochs", "3", "--transformers", "4.51.3",
+                    "--accelerate", "1.8.0", "--deepspeed", "0.16.9")
+    assert proc.returncode == 1  # aligned counts, but the run stops after 2 of its 3 epochs
+    assert "the Trainer will stop after 2 of 3 epochs: it plans 2 update(s) per epoch" in " ".join(proc.stdout.split())
+
+
+NO_TTY_80 = dict(os.environ, COLUMNS="80", TERM="dumb")
+
+
+def cut_lines(text):
+    """Lines rich cut (an ellipsis) or that run past 80 columns."""
+    return [line for line in text.splitlines() if "…" in line or len(line) > 80]
+
+
+@pytest.mark.parametrize("args", [
+    ["check", "--samples", "10", "--batch-size", "2", "--gas", "3", "--epochs", "3", "--transformers", "4.51.3",
+     "--accelerate", "1.6.0", "--deepspeed", "0.16.9", "--policy", "drop_last"],
+    ["check", "--samples", "3", "--gas", "2", "--epochs", "2", "--transformers", "9.0.0", "--accelerate", "1.7.0"],
+])
+def test_check_fits_80_columns_in_a_pipe(args):
+    proc = subprocess.run([sys.executable, "-m", "stepsync", *args], capture_output=True, text=True, env=NO_TTY_80)
+    assert proc.stdout and cut_lines(proc.stdout) == []
+
+
+def fake_output_dir(tmp_path, steps):
+    """Checkpoint folders as the Trainer and DeepSpeed write them (only the files inspect reads)."""
+    for trainer, engine in steps:
+        folder = tmp_path / f"checkpoint-{trainer}"
+        (folder / f"global_step{engine}").mkdir(parents=True)
+        write_torch_archive(folder / f"global_step{engine}" / "mp_rank_00_model_states.pt", {"dp_world_size": 1})
+        (folder / "latest").write_text(f"global_step{engine}")
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": trainer}))
+    return tmp_path
+
+
+def test_inspect_fits_80_columns_in_a_pipe(tmp_path):
+    out = fake_output_dir(tmp_path / "a-rather-long-output-directory-name", [(2, 1), (4, 3), (800, 799)])
+    proc = subprocess.run([sys.executable, "-m", "stepsync", "inspect", str(out)], capture_output=True, text=True,
+                          env=NO_TTY_80)
+    assert proc.returncode == 1 and cut_lines(proc.stdout) == []
+    flat = " ".join(proc.stdout.split())
+    assert "no checkpoint is safe to resume from: each one would carry drift or missing files in" in flat
+
+
+def test_inspect_of_one_checkpoint_audits_that_checkpoint_only(tmp_path):
+    out = fake_output_dir(tmp_path, [(2, 2), (4, 3)])
+    data = json.loads(stepsync("inspect", str(out / "checkpoint-2"), "--json").stdout)
+    assert [c["name"] for c in data["checkpoints"]] == ["checkpoint-2"] and data["ok"]
+    whole = json.loads(stepsync("inspect", str(out), "--json").stdout)
+    assert [c["name"] for c in whole["checkpoints"]] == ["checkpoint-2", "checkpoint-4"] and not whole["ok"]
+
+
+def test_the_package_lists_its_callback():
+    import stepsync
+
+    assert "StepSyncCallback" in dir(stepsync) and "StepSyncCallback" in stepsync.__all__
+
+
+def test_a_report_prints_readably():
+    from rich.console import Console
+
+    from stepsync import Policy, SyncReport
+    from stepsync.core.events import Cause, DriftEvent
+    from stepsync.core.report import EpochCount
+    from stepsync.display.render import summary_view
+
+    event = DriftEvent(1, 3, 2, 1, 0, Cause.PARTIAL_WINDOW, "use StepSyncCallback(policy='sync')", "step_end")
+    report = SyncReport(Policy.WARN, active=True, trainer_steps=4, engine_steps=3, planned_steps=4, events=[event],
+                        epochs=[EpochCount(1, 3, 2, 1), EpochCount(2, 3, 4, 3)], finished=True)
+    text = str(report)
+    assert text.splitlines()[0] == "stepsync report (policy 'warn'): Trainer 4 updates, engine 3 (drift +1)"
+    assert "schedule: planned 4, made 3 (1 not made)" in text and "trained: 2 epoch(s), 6 micro-batch(es)" in text
+    assert len(text) < 600 and "SyncReport(" not in text
+    buffer = io.StringIO()
+    Console(file=buffer, width=80).print(summary_view(report))
+    assert "stepsync summary" in buffer.getvalue() and cut_lines(buffer.getvalue()) == []
+
+
+def test_logging_and_the_console_say_a_message_once_per_destination():
+    """A view is drawn only where no logging handler already writes the same message."""
+    from stepsync.display.output import logging_reaches
+
+    logger = logging.Logger("stepsync-alone", logging.INFO)  # no parent: nothing configured
+    assert logging_reaches(sys.stderr, logger, logging.WARNING)  # Python's last resort prints warnings there
+    assert not logging_reaches(sys.stderr, logger, logging.INFO)
+    logger.addHandler(logging.StreamHandler(io.StringIO()))
+    assert not logging_reaches(sys.stderr, logger, logging.WARNING)  # the log goes to a file: draw on the terminal
+    logger.addHandler(logging.StreamHandler(sys.stderr))
+    assert logging_reaches(sys.stderr, logger, logging.INFO)  # basicConfig-like: the log line is enough
+    quiet = logging.Logger("stepsync-quiet", logging.ERROR)
+    quiet.addHandler(logging.StreamHandler(sys.stderr))
+    assert not logging_reaches(sys.stderr, quiet, logging.WARNING)  # filtered out: the view is the only copy
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_one_terminal_is_one_screen_for_stdout_stderr_and_rich():
+    from rich.console import Console
+    from rich.logging import RichHandler
+
+    from stepsync.display.output import logging_reaches
+
+    stdout, stderr = Terminal(), Terminal()
+    logger = logging.Logger("stepsync-examples", logging.INFO)
+    logger.addHandler(logging.StreamHandler(stdout))  # transformers' example scripts
+    assert logging_reaches(stderr, logger, logging.INFO)  # the same screen: the line is enough
+    assert not logging_reaches(io.StringIO(), logger, logging.INFO)  # the console draws into a file: draw
+    rich_logger = logging.Logger("stepsync-rich", logging.INFO)
+    rich_logger.addHandler(RichHandler(console=Console(file=stdout)))
+    assert logging_reaches(stderr, rich_logger, logging.INFO)
+    piped = logging.Logger("stepsync-piped", logging.INFO)
+    piped.addHandler(logging.StreamHandler(io.StringIO()))  # a log file, not the screen
+    assert not logging_reaches(stderr, piped, logging.INFO)
+
+
+def light_venv(tmp_path):
+    """A fresh environment with stepsync installed as a user would, without the training packages."""
+    venv = tmp_path / "light"
+    uv = shutil.which("uv")
+    if uv:
+        subprocess.run([uv, "venv", "-q", "-p", sys.executable, str(venv)], check=True)
+        install = [uv, "pip", "install", "-q", "-p", str(venv / "bin" / "python"), ROOT]
+    else:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        install = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", ROOT]
+    done = subprocess.run(install, capture_output=True, text=True, timeout=600)
+    if done.returncode:
+        pytest.skip(f"no package index reachable for the light install: {done.stderr[-300:]}")
+    return venv / "bin"
+
+
+@pytest.mark.integration
+def test_the_light_install_runs_check_and_inspect_and_names_the_rest(tmp_path):
+    bin_dir = light_venv(tmp_path)
+    modules = subprocess.run([str(bin_dir / "python"), "-c", "import importlib.util as u; print([m for m in "
+                              "('torch', 'transformers', 'deepspeed') if u.find_spec(m)])"],
+                             capture_output=True, text=True).stdout.strip()
+    assert modules == "[]"
+    check = subprocess.run([str(bin_dir / "stepsync"), "check", "--samples", "3", "--gas", "2", "--epochs", "2",
+                            "--accelerate", "1.7.0", "--json"], capture_output=True, text=True)
+    data = json.loads(check.stdout)
+    assert check.returncode == 1 and (data["trainer_steps"], data["engine_steps"]) == (4, 3)
+    assert any("transformers is not installed here" in note for note in data["notes"])
+    out = fake_output_dir(tmp_path / "out", [(2, 2)])
+    assert subprocess.run([str(bin_dir / "stepsync"), "inspect", str(out)], capture_output=True).returncode == 0
+    demo = subprocess.run([str(bin_dir / "stepsync"), "demo"], capture_output=True, text=True)
+    assert demo.returncode == 2 and "pip install 'stepsync[trainer]'" in demo.stderr
+    callback = subprocess.run([str(bin_dir / "python"), "-c", "import stepsync; stepsync.StepSyncCallback"],
+                              capture_output=True, text=True)
+    assert callback.returncode == 1 and "pip install 'stepsync[trainer]'" in callback.stderr
+
+
+def test_running_from_a_clone_without_installing_names_the_install_command(tmp_path):
+    """`python3 -m stepsync` with no dependency at all: a message and exit 2, never exit 1 ('drifts')."""
+    venv = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    proc = subprocess.run([str(venv / "bin" / "python"), "-m", "stepsync", "check", "--samples", "3", "--gas", "2"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "a package stepsync needs is missing" in proc.stderr and "pip install ." in proc.stderr

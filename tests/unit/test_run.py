@@ -1,0 +1,178 @@
+"""The run and every policy, driven by a small fake engine through the Trainer's loop: exact decisions.
+
+The fake engine keeps DeepSpeed's two counters and its boundary rule (``(micro_steps + 1) % G == 0`` unless
+``set_gradient_accumulation_boundary`` overrides it); the loop counts an update as transformers 5.x does
+(every G-th micro-batch and at the epoch's end) and applies what the run returns, as the callback does.
+The real Trainer and DeepSpeed are exercised by tests/integration; these pin the decisions themselves.
+"""
+import pytest
+
+from stepsync.core.choices import Policy
+from stepsync.core.errors import StepDriftError, StepSyncConfigError
+from stepsync.core.events import Cause
+from stepsync.core.plan import RunPlan
+from stepsync.core.report import SyncReport
+from stepsync.core.versions import Stack, behaviour_of
+from stepsync.display.output import ConsoleOutput
+from stepsync.engine.policies import RealignAction, Steering
+from stepsync.engine.run import Run
+
+DRIFTING = Stack("5.24.0", "1.7.0", "0.19.8")
+ALIGNED = Stack("5.24.0", "1.16.0", "0.19.8")
+
+
+class FakeEngine:
+    """DeepSpeed's counters and boundary, nothing else."""
+
+    def __init__(self, g, steerable=True):
+        self.global_steps = 0
+        self.micro_steps = 0
+        self._g = g
+        self._is_gradient_accumulation_boundary = None
+        if not steerable:
+            self.set_gradient_accumulation_boundary = None
+
+    def gradient_accumulation_steps(self):
+        return self._g
+
+    def set_gradient_accumulation_boundary(self, value):
+        self._is_gradient_accumulation_boundary = value
+
+    def step(self):  # what accelerate < 1.8 calls after every backward
+        boundary = self._is_gradient_accumulation_boundary
+        if boundary is None:
+            boundary = (self.micro_steps + 1) % self._g == 0
+        self.global_steps += boundary
+        self.micro_steps += 1
+
+
+def drive(policy, n, g, epochs, stack=DRIFTING, engine=None):
+    """Run the Trainer's loop over a fake engine; (run, [(epoch, micro-batch, Steering)], final count)."""
+    engine = engine or FakeEngine(g)
+    report = SyncReport(Policy.parse(policy))
+    plan = RunPlan(n, g, epochs)
+    planned = epochs * -(-n // g)
+    report.planned_steps = planned
+    run = Run(engine, behaviour_of(stack), n, g, report, ConsoleOutput(False), plan=plan)
+    decisions = []
+    started = run.begin()
+    if started is not None:
+        decisions.append((0, 0, started))
+        planned = started.max_steps or planned
+    run.check(0, "train_begin")
+    count = 0
+    for epoch in range(1, epochs + 1):
+        run.begin_epoch()
+        for position in range(1, n + 1):
+            counted = position % g == 0 or position == n
+            engine.step()
+            count += counted
+            steering = run.after_micro_batch(counted, count)
+            if steering is not None:
+                decisions.append((epoch, position, steering))
+                count = steering.trainer_steps if steering.trainer_steps is not None else count
+                if steering.end_epoch:
+                    break
+            if counted and count >= planned:
+                break
+        steering = run.end_epoch(count)
+        if steering is not None:
+            decisions.append((epoch, "end", steering))
+            count = steering.trainer_steps if steering.trainer_steps is not None else count
+        if count >= planned:
+            break
+    run.finish(count)
+    return run, decisions, count
+
+
+def test_warn_decides_nothing_and_reports_each_change_of_the_drift():
+    run, decisions, count = drive("warn", 3, 2, 2)
+    assert decisions == []
+    assert (count, run.engine.global_steps) == (4, 3)
+    assert [(e.epoch, e.micro_batch, e.where, e.drift, e.cause) for e in run.report.events] == [
+        (1, 3, "step_end", 1, Cause.PARTIAL_WINDOW)]
+    assert [(row.trainer_steps, row.engine_steps) for row in run.report.epochs] == [(2, 1), (4, 3)]
+    assert run.report.unapplied_micro_batches == 0
+
+
+def test_warn_on_an_aligned_stack_sees_no_event_even_when_the_engine_drifts():
+    run, _, count = drive("warn", 3, 2, 2, stack=ALIGNED)  # the fake engine still counts its own windows
+    assert [(e.where, e.drift) for e in run.report.events] == [("step_end", 1)]
+
+
+def test_raise_stops_at_the_first_divergence():
+    with pytest.raises(StepDriftError) as stopped:
+        drive("raise", 3, 2, 2)
+    event = stopped.value.event
+    assert (event.epoch, event.micro_batch, event.trainer_steps, event.engine_steps) == (1, 3, 2, 1)
+
+
+def test_sync_steers_the_engine_to_every_trainer_update_and_gives_the_boundary_back():
+    engine = FakeEngine(2)
+    run, decisions, count = drive("sync", 3, 2, 2, engine=engine)
+    assert decisions == []
+    assert (count, engine.global_steps) == (4, 4)
+    assert run.report.events == []
+    assert engine._is_gradient_accumulation_boundary is None  # finish() restored DeepSpeed's own rule
+
+
+def test_sync_that_cannot_steer_falls_back_to_realign_at_the_start():
+    run, decisions, count = drive("sync", 3, 2, 2, engine=FakeEngine(2, steerable=False))
+    first = decisions[0][2]
+    assert isinstance(first.replacement, RealignAction) and first.max_steps == 3
+    assert run.report.policy is Policy.REALIGN and count == run.engine.global_steps == 3
+    assert any("falling back to policy 'realign'" in note for note in run.report.notes)
+
+
+def test_realign_lowers_the_plan_and_moves_the_trainer_back_to_the_engine():
+    run, decisions, count = drive("realign", 3, 2, 2)
+    assert decisions == [
+        (0, 0, Steering(max_steps=3)),
+        (1, 3, Steering(trainer_steps=1, decide_flow_again=False)),  # the epoch's partial window: no engine update
+    ]
+    assert (count, run.engine.global_steps, run.report.corrections) == (3, 3, 1)
+
+
+def test_drop_last_ends_every_epoch_after_its_last_whole_window():
+    run, decisions, count = drive("drop_last", 5, 2, 2)
+    assert decisions == [(0, 0, Steering(max_steps=4)), (1, 4, Steering(end_epoch=True)),
+                         (2, 4, Steering(end_epoch=True))]
+    assert (count, run.engine.global_steps) == (4, 4)
+    assert run.report.dropped_micro_batches == {1: 1, 2: 1}
+
+
+def test_drop_last_refuses_an_epoch_shorter_than_a_window():
+    with pytest.raises(StepSyncConfigError, match="lower gradient_accumulation_steps"):
+        drive("drop_last", 1, 2, 2)
+
+
+@pytest.mark.parametrize("policy", ["sync", "realign"])
+def test_a_remedy_with_nothing_to_do_says_so_and_decides_nothing(policy):
+    run, decisions, count = drive(policy, 4, 2, 2, stack=ALIGNED, engine=FakeEngine(2))
+    assert [d for d in decisions if d[2].trainer_steps or d[2].end_epoch] == []
+    assert any("does nothing here" in note for note in run.report.notes)
+
+
+def test_the_record_says_where_the_next_micro_batch_is():
+    from stepsync.engine.resume import record_of
+
+    engine = FakeEngine(2)
+    report = SyncReport(Policy.WARN)
+    run = Run(engine, behaviour_of(DRIFTING), 3, 2, report, ConsoleOutput(False))
+    run.begin()
+    run.begin_epoch()
+    engine.step()
+    run.after_micro_batch(False, 0)
+    record = record_of(run)
+    assert (record.next_epoch, record.next_skip, record.unapplied_at_save, record.resume_steps) == (0, 1, 1, None)
+
+
+def test_a_fault_while_observing_ends_only_the_observing():
+    run, _, _ = drive("realign", 3, 2, 1)
+    run.observing = True
+
+    def broken(*args):
+        raise OSError("disk full")
+
+    run._observe(broken)
+    assert not run.observing and run.report.policy is Policy.REALIGN and "still acts" in run.report.inactive_reason
