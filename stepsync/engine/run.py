@@ -41,7 +41,7 @@ class Run:
     Attributes:
         epoch: 0-based epoch now running (``-1`` before the first epoch begins).
         position: micro-batches done in this epoch (the Trainer's ``step + 1``).
-        micro_batches: micro-batches done since training began.
+        done_before_epoch: micro-batches this run trained before this epoch began.
         t_before_epoch: the Trainer's cross-epoch micro-batch counter before this epoch's position 0.
         engine_steps_seen: ``engine.global_steps`` after the last micro-batch.
         since_engine_update: micro-batches the engine accumulated since its last update.
@@ -53,31 +53,9 @@ class Run:
             only, and the policy keeps steering).
     """
 
-    __slots__ = (
-        "action",
-        "behaviour",
-        "counter",
-        "engine",
-        "engine_steps_seen",
-        "epoch",
-        "facts",
-        "g",
-        "is_main",
-        "known_cause",
-        "last_drift",
-        "micro_batches",
-        "n",
-        "observing",
-        "output",
-        "plan",
-        "position",
-        "remedy",
-        "report",
-        "since_engine_update",
-        "skip",
-        "start_epoch",
-        "t_before_epoch",
-    )
+    __slots__ = ("engine", "facts", "behaviour", "n", "g", "report", "output", "counter", "is_main", "plan",
+                 "action", "steers", "epoch", "start_epoch", "skip", "position", "done_before_epoch", "t_before_epoch",
+                 "engine_steps_seen", "since_engine_update", "last_drift", "remedy", "known_cause", "observing")
 
     def __init__(self, engine: Any, behaviour: StackBehaviour, n: Optional[int], g: int, report: SyncReport,
                  output: ConsoleOutput, counter: str = "Trainer global_step", start_epoch: int = 0, skip: int = 0,
@@ -94,11 +72,12 @@ class Run:
         self.is_main = is_main
         self.plan = plan
         self.action: PolicyAction = action or action_for(report.policy)
+        self.steers = self.action.acts_per_micro_batch
         self.epoch = start_epoch - 1
         self.start_epoch = start_epoch
         self.skip = skip
         self.position = 0
-        self.micro_batches = 0
+        self.done_before_epoch = 0
         self.t_before_epoch = 0
         self.engine_steps_seen = engine.global_steps
         self.since_engine_update = 0
@@ -161,22 +140,30 @@ class Run:
         return self._took(self.action.begin(self))
 
     def begin_epoch(self) -> None:
+        if self.epoch >= self.start_epoch:
+            self.done_before_epoch += self.position - self._first_position()
         self.epoch += 1
-        self.position = self.skip if self.epoch == self.start_epoch else 0
-        self.t_before_epoch = self.micro_batches - self.position
+        self.position = self._first_position()
+        self.t_before_epoch = self.done_before_epoch - self.position
         self.action.before_micro_batch(self)
+
+    def _first_position(self) -> int:
+        """Where this epoch's training began: after the skipped micro-batches of a resumed epoch, else at 0."""
+        return self.skip if self.epoch == self.start_epoch else 0
 
     def after_micro_batch(self, trainer_updated: bool, trainer_steps: int) -> Optional[Steering]:
         """One micro-batch is done (``trainer_updated``: the framework counted an update at it, reaching
         ``trainer_steps``). Reads the engine, asks the policy, checks both counts; returns what to change."""
         self.position += 1
-        self.micro_batches += 1
         engine_steps = self.engine.global_steps
         engine_updated = engine_steps != self.engine_steps_seen
-        self.since_engine_update = 0 if engine_updated else self.since_engine_update + 1
-        self.engine_steps_seen = engine_steps
+        if engine_updated:
+            self.engine_steps_seen = engine_steps
+            self.since_engine_update = 0
+        else:
+            self.since_engine_update += 1
         steering = None
-        if self.action.acts_per_micro_batch:  # warn and raise skip two calls on every micro-batch
+        if self.steers:  # warn and raise skip two calls on every micro-batch
             steering = self._took(self.action.after_micro_batch(self, trainer_updated, engine_updated, trainer_steps))
             if steering is not None and steering.trainer_steps is not None:
                 trainer_steps = steering.trainer_steps
@@ -216,6 +203,7 @@ class Run:
     def _took(self, steering: Optional[Steering]) -> Optional[Steering]:
         if steering is not None and steering.replacement is not None:
             self.action = steering.replacement
+            self.steers = self.action.acts_per_micro_batch
         return steering
 
     # ------------------------------------------------------------ checks
@@ -260,8 +248,7 @@ class Run:
     def _close_epoch(self, trainer_steps: int) -> None:
         """The epoch's check, its counts in the report, and their comparison with the forecast."""
         self.check(trainer_steps, "epoch_end")
-        first = self.skip if self.epoch == self.start_epoch else 0
-        self.report.epochs.append(EpochCount(self.epoch + 1, self.position - first, trainer_steps,
+        self.report.epochs.append(EpochCount(self.epoch + 1, self.position - self._first_position(), trainer_steps,
                                              self.engine_steps_seen))
         predicted: Optional[Forecast] = self.report.forecast
         if predicted is None:

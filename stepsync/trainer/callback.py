@@ -59,6 +59,30 @@ def _guarded(steering: bool, needs_run: bool = True):
     return decorate
 
 
+def _micro_batch_hook(name: str, trainer_updated: bool):
+    """The hook of every micro-batch (``on_substep_end``, or ``on_step_end`` where the Trainer counted an update).
+
+    It guards itself: _guarded's extra call and ``**kwargs`` pass cost microseconds on every micro-batch.
+    """
+
+    def hook(self: StepSyncCallback, args, state, control, **kwargs):
+        run = self._run
+        if run is None:
+            return None
+        try:
+            steering = run.after_micro_batch(trainer_updated, state.global_step)
+        except (StepDriftError, StepSyncConfigError):
+            raise
+        except Exception as exc:
+            return self._failed(name, exc, True)
+        if steering is not None:
+            trainer_facts.steer(self._trainer, steering, args, state, control, at_step_end=True)
+        return None
+
+    hook.__name__ = hook.__qualname__ = name
+    return hook
+
+
 class StepSyncCallback(*_CALLBACK_BASES):  # type: ignore[misc]  # the bases depend on the release
     """Keeps ``state.global_step`` and the DeepSpeed engine's ``global_steps`` in agreement.
 
@@ -184,26 +208,8 @@ class StepSyncCallback(*_CALLBACK_BASES):  # type: ignore[misc]  # the bases dep
     def on_epoch_begin(self, run: Run, args, state, control, **kwargs):
         run.begin_epoch()
 
-    def on_substep_end(self, args, state, control, **kwargs):
-        run = self._run
-        if run is not None:
-            self._after_micro_batch(run, False, args, state, control)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        run = self._run
-        if run is not None:
-            self._after_micro_batch(run, True, args, state, control)
-
-    def _after_micro_batch(self, run: Run, trainer_updated: bool, args, state, control) -> None:
-        # Guarded here, not by _guarded: its extra call and **kwargs pass cost microseconds on every micro-batch.
-        try:
-            steering = run.after_micro_batch(trainer_updated, state.global_step)
-        except (StepDriftError, StepSyncConfigError):
-            raise
-        except Exception as exc:
-            return self._failed("on_step_end" if trainer_updated else "on_substep_end", exc, True)
-        if steering is not None:
-            trainer_facts.steer(self._trainer, steering, args, state, control, at_step_end=True)
+    on_substep_end = _micro_batch_hook("on_substep_end", trainer_updated=False)
+    on_step_end = _micro_batch_hook("on_step_end", trainer_updated=True)
 
     @_guarded(steering=True)
     def on_epoch_end(self, run: Run, args, state, control, **kwargs):
@@ -215,12 +221,7 @@ class StepSyncCallback(*_CALLBACK_BASES):  # type: ignore[misc]  # the bases dep
     def on_log(self, run: Run, args, state, control, logs=None, **kwargs):
         if logs is None or not run.observing:
             return
-        metrics = self._metrics(run, state)
-        logs.update(metrics)
-        # The Trainer appended this record to log_history before calling us: complete it there too.
-        last = state.log_history[-1] if state.log_history else None
-        if last is not None and all(last.get(k) == v for k, v in logs.items() if k in last):
-            last.update(metrics)
+        trainer_facts.add_to_log(state, logs, self._metrics(run, state))
 
     @staticmethod
     def _metrics(run: Run, state) -> dict:

@@ -159,6 +159,15 @@ def steer(trainer: Any, steering: Steering, args: Any, state: Any, control: Any,
         control.should_epoch_stop = True
 
 
+def add_to_log(state: Any, logs: dict, metrics: dict) -> None:
+    """Add ``metrics`` to the record ``logs`` the Trainer is logging, and to its copy in ``log_history``: the
+    Trainer appended it there before calling the callbacks."""
+    logs.update(metrics)
+    last = state.log_history[-1] if state.log_history else None
+    if last is not None and all(last.get(k) == v for k, v in logs.items() if k in last):
+        last.update(metrics)
+
+
 def keep_a_place_in(state: Any, name: str, exported) -> None:
     """Give callback ``name`` an entry in ``state.stateful_callbacks`` when the state was loaded from a
     checkpoint written without it: transformers >= 4.41 indexes that entry at every save (a KeyError
