@@ -54,7 +54,7 @@ class SyncReport:
         active: False when stepsync found nothing to watch (no DeepSpeed) or switched itself off.
         inactive_reason: why it is not active.
         forecast: the prediction made at ``on_train_begin`` (None without a dataloader length).
-        trainer_steps, engine_steps: the last counts read.
+        trainer_steps, engine_steps: both counts at the last check (each change of the drift, each epoch end, the end).
         inherited_drift: the drift found when training began.
         events: every change of the drift, in order.
         planned_steps: the ``max_steps`` the Trainer planned (the LR schedule's length).

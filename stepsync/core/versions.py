@@ -14,6 +14,7 @@ says so when that decides the verdict.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import Enum
 from importlib import metadata
@@ -133,8 +134,10 @@ def _lookup(rows, package: str, version: str) -> Optional[ReleaseRow]:
     return next((row for row in rows if row.package == package and row.covers(version)), None)
 
 
+@functools.lru_cache(maxsize=None)
 def installed_version(package: str) -> Optional[str]:
-    """The installed version of ``package`` from its metadata, or None; never imports it."""
+    """The installed version of ``package`` from its metadata, or None; never imports it. Read once per process:
+    a release installed while a process runs is not the one it imported."""
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:

@@ -21,6 +21,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from .run import Run
 
 
+NEVER, AT_DRIFT, AT_UPDATES, EVERY_MICRO_BATCH = 0, 1, 2, 3
+
+
 @dataclass(frozen=True)
 class Steering:
     """What the framework must change in its own loop, decided by the policy.
@@ -45,18 +48,22 @@ class PolicyAction:
     """Watch only. Subclasses override the points where they act."""
 
     policy = Policy.WARN
-    acts_per_micro_batch = False  # True when before/after_micro_batch do something
+    # When the run calls after_micro_batch: NEVER (watching only), AT_DRIFT (where the framework counted an update
+    # and the counts differ), AT_UPDATES (where the framework counted an update), or EVERY_MICRO_BATCH.
+    steers = NEVER
 
     def begin(self, run: Run) -> Optional[Steering]:
         """At the start of training, after the forecast."""
         return None
 
-    def before_micro_batch(self, run: Run) -> None:
-        """Before the micro-batch at ``run.position + 1`` runs."""
+    def before_epoch(self, run: Run) -> None:
+        """Before the epoch's first micro-batch (at ``run.position + 1``) runs."""
 
     def after_micro_batch(self, run: Run, trainer_updated: bool, engine_updated: bool,
                           trainer_steps: int) -> Optional[Steering]:
-        """After a micro-batch, before the drift check."""
+        """After a micro-batch (each one under ``EVERY_MICRO_BATCH``, those where the framework counted an update
+        under ``AT_UPDATES``), before the drift check. An action that steers every micro-batch prepares the next
+        one here."""
         return None
 
     def at_epoch_end(self, run: Run, trainer_steps: int) -> Optional[Steering]:
@@ -107,13 +114,9 @@ class RealignAction(PolicyAction):
     """The Trainer follows DeepSpeed: its count is set to ``engine.global_steps``."""
 
     policy = Policy.REALIGN
-    acts_per_micro_batch = True
-
-    def __init__(self) -> None:
-        self.engine_at_last_step_end: Optional[int] = None
+    steers = AT_DRIFT
 
     def begin(self, run: Run) -> Optional[Steering]:
-        self.engine_at_last_step_end = run.engine_steps_seen
         if run.behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER and not run.report.inherited_drift:
             run.note("policy 'realign' does nothing here: this accelerate already makes the engine update where "
                      "the Trainer counts (accelerate >= 1.8.0); it would only correct a drift from a checkpoint")
@@ -121,15 +124,11 @@ class RealignAction(PolicyAction):
         return lowered_plan(run, self.policy, "the engine can make")
 
     def after_micro_batch(self, run, trainer_updated, engine_updated, trainer_steps):
-        if not trainer_updated:
-            return None
-        engine_steps = run.engine_steps_seen
-        made_update = engine_steps != self.engine_at_last_step_end
-        self.engine_at_last_step_end = engine_steps
-        if trainer_steps == engine_steps:
+        if not trainer_updated or trainer_steps == run.engine_steps_seen:
             return None
         run.report.corrections += 1
-        return Steering(trainer_steps=engine_steps, decide_flow_again=made_update)
+        # The flow callback decided on the Trainer's count: decide again when the engine made an update.
+        return Steering(trainer_steps=run.engine_steps_seen, decide_flow_again=run.engine_moved_in_window)
 
     def at_epoch_end(self, run, trainer_steps):
         if trainer_steps == run.engine_steps_seen:
@@ -142,11 +141,12 @@ class SyncAction(PolicyAction):
     """DeepSpeed follows the Trainer: the engine's boundary is set before every micro-batch."""
 
     policy = Policy.SYNC
-    acts_per_micro_batch = True
+    steers = EVERY_MICRO_BATCH
 
     def __init__(self) -> None:
         self.override: Optional[BoundaryOverride] = None
-        self.expected = False
+        self.expected = False  # whether the Trainer counts an update at the micro-batch now running
+        self.next_update = 0  # the position (1-based, in this epoch) of the Trainer's next update
         self.n = 0
 
     def begin(self, run: Run) -> Optional[Steering]:
@@ -162,17 +162,25 @@ class SyncAction(PolicyAction):
         self.override = BoundaryOverride(run.engine)
         return None
 
-    def before_micro_batch(self, run: Run) -> None:
+    def before_epoch(self, run: Run) -> None:
+        self.next_update = 0
+        self._prepare(run)
+
+    def _prepare(self, run: Run) -> None:
+        """Set the engine's boundary for the micro-batch at ``run.position + 1``."""
         override = self.override
         if override is None:  # begin() handed the run to another action
             return
-        self.expected = expected = rules.is_trainer_boundary(
-            run.behaviour.trainer_rule, run.position + 1, self.n, run.g, run.t_before_epoch
-        )
+        position = run.position + 1
+        if position > self.next_update:  # a new window: find where it ends
+            found = rules.next_trainer_boundary(run.behaviour.trainer_rule, position, self.n, run.g, run.t_before_epoch)
+            self.next_update = self.n + 1 if found is None else found
+        self.expected = expected = position == self.next_update
         override.set(expected)
 
     def after_micro_batch(self, run, trainer_updated, engine_updated, trainer_steps):
         if trainer_updated == self.expected == engine_updated:
+            self._prepare(run)
             return None
         run.error(
             f"policy 'sync' expected {'an' if self.expected else 'no'} update at epoch {run.epoch + 1}, "
@@ -195,7 +203,7 @@ class DropLastAction(PolicyAction):
     """Every epoch ends after its last full window: the trailing micro-batches are not trained."""
 
     policy = Policy.DROP_LAST
-    acts_per_micro_batch = True
+    steers = AT_UPDATES
 
     def __init__(self) -> None:
         self.last_full_window: Optional[int] = None

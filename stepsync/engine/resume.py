@@ -12,7 +12,7 @@ def record_of(run: Run) -> ResumeRecord:
     epoch, skip = run.next_position()
     return ResumeRecord(
         policy=report.policy.value,
-        trainer_steps=report.trainer_steps,
+        trainer_steps=run.trainer_steps_seen,
         engine_steps=run.engine_steps_seen,
         resume_steps=resume_steps_for(epoch, skip, run.n, run.g, run.behaviour) if run.n else None,
         next_epoch=epoch,

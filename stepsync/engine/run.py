@@ -19,7 +19,7 @@ from ..display import render
 from ..display.output import ConsoleOutput, logger
 from .deepspeed import engine_facts
 from .faults import stop_observing
-from .policies import PolicyAction, Steering, action_for
+from .policies import AT_DRIFT, EVERY_MICRO_BATCH, PolicyAction, Steering, action_for
 
 
 class Run:
@@ -44,18 +44,24 @@ class Run:
         done_before_epoch: micro-batches this run trained before this epoch began.
         t_before_epoch: the Trainer's cross-epoch micro-batch counter before this epoch's position 0.
         engine_steps_seen: ``engine.global_steps`` after the last micro-batch.
+        trainer_steps_seen: the framework's count at its last update (the report's counts catch up with both at
+            every event, epoch end and the end).
         since_engine_update: micro-batches the engine accumulated since its last update.
         last_drift: the drift at the last check (the one an event changes).
         remedy: what each drift event tells the user to do (the stack's remedy, plus what the adapter adds).
         known_cause: why the counters part, once the adapter has seen it (for instance a backward outside
             ``accumulate()``); None until then.
+        engine_at_last_update, engine_moved_in_window: the engine's count at the framework's last update, and
+            whether it moved in the window that update closed.
         observing: checks, events, messages and metrics are on (a fault there turns them off on this rank
             only, and the policy keeps steering).
     """
 
-    __slots__ = ("engine", "facts", "behaviour", "n", "g", "report", "output", "counter", "is_main", "plan",
-                 "action", "steers", "epoch", "start_epoch", "skip", "position", "done_before_epoch", "t_before_epoch",
-                 "engine_steps_seen", "since_engine_update", "last_drift", "remedy", "known_cause", "observing")
+    # What every micro-batch reads comes first: it shares the object's first cache lines.
+    __slots__ = ("position", "engine", "engine_steps_seen", "since_engine_update", "steers", "observing", "report",
+                 "last_drift", "trainer_steps_seen", "action", "engine_at_last_update", "engine_moved_in_window",
+                 "facts", "behaviour", "n", "g", "output", "counter", "is_main", "plan", "epoch", "start_epoch", "skip",
+                 "done_before_epoch", "t_before_epoch", "remedy", "known_cause")
 
     def __init__(self, engine: Any, behaviour: StackBehaviour, n: Optional[int], g: int, report: SyncReport,
                  output: ConsoleOutput, counter: str = "Trainer global_step", start_epoch: int = 0, skip: int = 0,
@@ -72,7 +78,7 @@ class Run:
         self.is_main = is_main
         self.plan = plan
         self.action: PolicyAction = action or action_for(report.policy)
-        self.steers = self.action.acts_per_micro_batch
+        self.steers = self.action.steers
         self.epoch = start_epoch - 1
         self.start_epoch = start_epoch
         self.skip = skip
@@ -80,6 +86,9 @@ class Run:
         self.done_before_epoch = 0
         self.t_before_epoch = 0
         self.engine_steps_seen = engine.global_steps
+        self.engine_at_last_update = self.engine_steps_seen
+        self.trainer_steps_seen = 0
+        self.engine_moved_in_window = False
         self.since_engine_update = 0
         self.last_drift = 0
         self.remedy = behaviour.remedy
@@ -145,7 +154,7 @@ class Run:
         self.epoch += 1
         self.position = self._first_position()
         self.t_before_epoch = self.done_before_epoch - self.position
-        self.action.before_micro_batch(self)
+        self.action.before_epoch(self)
 
     def _first_position(self) -> int:
         """Where this epoch's training began: after the skipped micro-batches of a resumed epoch, else at 0."""
@@ -162,14 +171,22 @@ class Run:
             self.since_engine_update = 0
         else:
             self.since_engine_update += 1
+        steers = self.steers
+        if not trainer_updated and steers != EVERY_MICRO_BATCH:  # most micro-batches of most policies end here
+            return None
+        if trainer_updated:
+            self.engine_moved_in_window = engine_steps != self.engine_at_last_update
+            self.engine_at_last_update = engine_steps
         steering = None
-        if self.steers:  # warn and raise skip two calls on every micro-batch
+        if steers > AT_DRIFT or (steers and trainer_steps != engine_steps):
             steering = self._took(self.action.after_micro_batch(self, trainer_updated, engine_updated, trainer_steps))
             if steering is not None and steering.trainer_steps is not None:
                 trainer_steps = steering.trainer_steps
-            self.action.before_micro_batch(self)
-        if trainer_updated and self.observing:
-            self._observe(self.check, trainer_steps, "step_end")
+        if trainer_updated:
+            self.trainer_steps_seen = trainer_steps
+            # check()'s own test, without its call: the report's counts catch up at the next event or epoch end
+            if self.observing and trainer_steps - self.engine_steps_seen != self.last_drift:
+                self._observe(self.check, trainer_steps, "step_end")
         return steering
 
     def end_epoch(self, trainer_steps: int) -> Optional[Steering]:
@@ -178,6 +195,7 @@ class Run:
         steering = self._took(self.action.at_epoch_end(self, trainer_steps))
         if steering is not None and steering.trainer_steps is not None:
             trainer_steps = steering.trainer_steps
+        self.trainer_steps_seen = trainer_steps
         if self.observing:
             self._observe(self._close_epoch, trainer_steps)
         return steering
@@ -203,7 +221,7 @@ class Run:
     def _took(self, steering: Optional[Steering]) -> Optional[Steering]:
         if steering is not None and steering.replacement is not None:
             self.action = steering.replacement
-            self.steers = self.action.acts_per_micro_batch
+            self.steers = self.action.steers
         return steering
 
     # ------------------------------------------------------------ checks
@@ -211,7 +229,7 @@ class Run:
     def check(self, trainer_steps: int, where: str, remedy: Optional[str] = None) -> None:
         """Compare both counts; every change of the drift is one event (logged, drawn, handed to the policy)."""
         report = self.report
-        report.trainer_steps = trainer_steps
+        report.trainer_steps = self.trainer_steps_seen = trainer_steps
         report.engine_steps = self.engine_steps_seen
         drift = trainer_steps - self.engine_steps_seen
         if drift == self.last_drift:

@@ -27,8 +27,6 @@ except ImportError:  # older releases: stepsync writes its own file into the che
     _CALLBACK_BASES = (TrainerCallback,)
 STORED_BY_TRAINER = len(_CALLBACK_BASES) == 2
 
-METRIC_KEYS = ("stepsync/trainer_steps", "stepsync/engine_steps", "stepsync/drift")
-
 def _guarded(steering: bool, needs_run: bool = True):
     """Run a hook; a failure inside stepsync is handed to :meth:`StepSyncCallback._failed`, never to training.
     With ``needs_run`` the hook runs only while a run is on, and gets it as its first argument.
@@ -70,7 +68,8 @@ def _micro_batch_hook(name: str, trainer_updated: bool):
         if run is None:
             return None
         try:
-            steering = run.after_micro_batch(trainer_updated, state.global_step)
+            # The Trainer's count matters only where it counted an update; elsewhere it is not even read.
+            steering = run.after_micro_batch(trainer_updated, state.global_step if trainer_updated else 0)
         except (StepDriftError, StepSyncConfigError):
             raise
         except Exception as exc:
@@ -217,17 +216,15 @@ class StepSyncCallback(*_CALLBACK_BASES):  # type: ignore[misc]  # the bases dep
         if steering is not None:
             trainer_facts.steer(self._trainer, steering, args, state, control, at_step_end=False)
 
-    @_guarded(steering=False)
-    def on_log(self, run: Run, args, state, control, logs=None, **kwargs):
-        if logs is None or not run.observing:
-            return
-        trainer_facts.add_to_log(state, logs, self._metrics(run, state))
-
-    @staticmethod
-    def _metrics(run: Run, state) -> dict:
-        engine_steps = run.engine_steps_seen  # after the last micro-batch: not a loaded best checkpoint's
-        return {METRIC_KEYS[0]: state.global_step, METRIC_KEYS[1]: engine_steps,
-                METRIC_KEYS[2]: state.global_step - engine_steps}
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        run = self._run
+        if run is None or logs is None or not run.observing:
+            return None
+        try:  # guarded here, not by _guarded: one call less
+            trainer_facts.add_metrics(state, logs, run.engine_steps_seen)
+        except Exception as exc:
+            return self._failed("on_log", exc, False)
+        return None
 
     @_guarded(steering=False)
     def on_save(self, run: Run, args, state, control, **kwargs):

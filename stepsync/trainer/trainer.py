@@ -159,12 +159,19 @@ def steer(trainer: Any, steering: Steering, args: Any, state: Any, control: Any,
         control.should_epoch_stop = True
 
 
-def add_to_log(state: Any, logs: dict, metrics: dict) -> None:
-    """Add ``metrics`` to the record ``logs`` the Trainer is logging, and to its copy in ``log_history``: the
-    Trainer appended it there before calling the callbacks."""
+METRIC_KEYS = ("stepsync/trainer_steps", "stepsync/engine_steps", "stepsync/drift")
+
+
+def add_metrics(state: Any, logs: dict, engine_steps: int) -> None:
+    """Add both counts and the drift to the record ``logs`` the Trainer is logging, and to its copy in
+    ``log_history`` (the Trainer appended it there before calling the callbacks). ``engine_steps``: the count
+    after the last micro-batch, not a best checkpoint's that ``load_best_model_at_end`` loaded since."""
+    last = state.log_history[-1] if state.log_history else {}
+    in_history = logs.items() <= last.items()
+    metrics = {METRIC_KEYS[0]: state.global_step, METRIC_KEYS[1]: engine_steps,
+               METRIC_KEYS[2]: state.global_step - engine_steps}
     logs.update(metrics)
-    last = state.log_history[-1] if state.log_history else None
-    if last is not None and all(last.get(k) == v for k, v in logs.items() if k in last):
+    if in_history and last:
         last.update(metrics)
 
 
