@@ -5,9 +5,11 @@ around the change); tests/unit/test_versions.py checks that versions.py's releas
 """
 from typing import Dict, List, Optional, Tuple
 
+from packaging.version import Version
 
-def version_key(version: str) -> Tuple[int, ...]:
-    return tuple(int(part) for part in version.split("."))
+
+def version_key(version: str) -> Version:
+    return Version(version)
 
 
 def behaviour(entry: dict) -> Optional[Dict[str, object]]:

@@ -19,6 +19,8 @@ import sys
 import time
 import urllib.request
 
+from packaging.version import InvalidVersion, Version
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
@@ -38,10 +40,13 @@ def releases():
         data = json.load(response)
     found = {}
     for version, files in data["releases"].items():
-        parts = version.split(".")
-        if not files or len(parts) != 3 or not all(p.isdigit() for p in parts):
+        try:
+            parsed = Version(version)
+        except InvalidVersion:
+            continue
+        if not files or parsed.is_prerelease or parsed.is_devrelease or len(parsed.release) != 3:
             continue  # yanked-empty, pre-releases and dev builds are not probed
-        if tuple(int(p) for p in parts[:2]) >= FIRST:
+        if parsed.release[:2] >= FIRST:
             found[version] = min(f["upload_time"] for f in files)[:10]
     return dict(sorted(found.items(), key=lambda item: classify.version_key(item[0])))
 
@@ -49,7 +54,7 @@ def releases():
 def latest_patches(known):
     newest = {}
     for version in known:  # oldest first: the last one of each minor wins
-        newest[tuple(version.split(".")[:2])] = version
+        newest[Version(version).release[:2]] = version
     return list(newest.values())
 
 

@@ -1,6 +1,6 @@
 """Measure one stack's support cases, or render the README's support table from the stored measurements.
 
-    python scripts/support_table.py measure STACK      (with that stack's python; writes tests/support/STACK.json)
+    python scripts/support_table.py measure STACK      (with that stack's python; writes tests/support/<stack>.json)
     python scripts/support_table.py render             (rewrites the table in README.md)
 
 scripts/support_table.sh does both for every stack.

@@ -1,7 +1,7 @@
 """What stepsync saw in a run, as plain data (rendering is in ``stepsync.display``)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional
 
 from .choices import Policy
@@ -138,24 +138,12 @@ class SyncReport:
         return self.engine_steps >= self.planned_steps
 
     def to_dict(self) -> dict:
-        return {
-            "policy": self.policy.value,
-            "active": self.active,
-            "inactive_reason": self.inactive_reason,
-            "trainer_steps": self.trainer_steps,
-            "engine_steps": self.engine_steps,
-            "drift": self.drift,
-            "inherited_drift": self.inherited_drift,
-            "planned_steps": self.planned_steps,
-            "events": [event.to_dict() for event in self.events],
-            "dropped_micro_batches": {str(k): v for k, v in self.dropped_micro_batches.items()},
-            "unapplied_micro_batches": self.unapplied_micro_batches,
-            "notes": list(self.notes),
-            "forecast_mismatches": list(self.forecast_mismatches),
-            "corrections": self.corrections,
-            "finished": self.finished,
-            "resumed_from": self.resumed_from.to_dict() if self.resumed_from else None,
-            "loaded_checkpoint": asdict(self.loaded_checkpoint) if self.loaded_checkpoint else None,
-            "missed_updates": self.missed_updates,
-            "epochs": [asdict(row) for row in self.epochs],
-        }
+        """Every field but the forecast (``forecast.to_dict()`` gives it), JSON-ready, with the drift and the
+        missed updates."""
+        data = asdict(replace(self, forecast=None, events=[], resumed_from=None))
+        del data["forecast"]
+        data.update(policy=self.policy.value, drift=self.drift, missed_updates=self.missed_updates,
+                    events=[event.to_dict() for event in self.events],
+                    dropped_micro_batches={str(k): v for k, v in self.dropped_micro_batches.items()},
+                    resumed_from=self.resumed_from.to_dict() if self.resumed_from else None)
+        return data

@@ -2,7 +2,7 @@
 
 This is the one module that knows release numbers; everything else asks it. Every row is measured:
 the Trainer's rows come from probing every transformers minor release (``scripts/probe.py`` writes
-``probes/results.json``; ``tests/test_versions.py`` fails when these rows and that data disagree), the
+``probes/results.json``; ``tests/unit/test_versions.py`` fails when these rows and that data disagree), the
 engine's rows from real DeepSpeed runs at each boundary (``probes/engine.json``). Each row names the first
 release measured with its behaviour. Pure Python: reads installed versions from package metadata and
 never imports the packages.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import List, Optional
 
 from ..core import record as checkpoint
@@ -64,13 +64,10 @@ class CheckpointAudit:
         return None if self.deepspeed_step is None else self.trainer_step - self.deepspeed_step
 
     def to_dict(self) -> dict:
-        return {
-            "name": self.name, "path": self.path, "trainer_step": self.trainer_step,
-            "trainer_state_step": self.trainer_state_step, "deepspeed_tag": self.deepspeed_tag,
-            "deepspeed_step": self.deepspeed_step, "tag_folders": self.tag_folders, "drift": self.drift,
-            "stepsync_record": self.record.to_dict() if self.record else None, "node_local": self.node_local,
-            "mismatches": self.mismatches, "problems": self.problems, "ok": self.ok,
-        }
+        data = asdict(replace(self, record=None))
+        del data["record"]
+        return {**data, "drift": self.drift, "ok": self.ok,
+                "stepsync_record": self.record.to_dict() if self.record else None}
 
 
 @dataclass

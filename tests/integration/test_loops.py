@@ -167,7 +167,7 @@ def parameters_on(python, out, policy):
 
 
 def test_sync_on_a_drifting_stack_trains_what_the_aligned_stack_trains(tmp_path):
-    """As tests/test_numerics.py does for the Trainer: same loop, same seed, only the windows can differ."""
+    """As tests/integration/test_numerics.py does for the Trainer: same loop, same seed, only the windows can differ."""
     aligned = os.environ.get("STEPSYNC_ALIGNED_PYTHON")
     if not DRIFTS or not aligned:
         pytest.skip("runs on the drifting stack, against STEPSYNC_ALIGNED_PYTHON (scripts/test.sh sets it)")

@@ -8,7 +8,6 @@ import lazily only a third-party package (torch, transformers, ...), never a ste
 """
 import ast
 import os
-import re
 import subprocess
 import sys
 
@@ -136,16 +135,3 @@ def test_the_layers_are_the_folders():
 def test_no_module_is_long():
     long = {module: n for module, path in modules().items() if (n := len(open(path).read().splitlines())) > MOST_LINES}
     assert long == {}
-
-
-def test_every_cited_package_path_exists():
-    """Every ``stepsync/....py`` that the code, tests, scripts, notebook or README name is a real file."""
-    cited = {}
-    listed = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=REPO).stdout.split()
-    for name in listed:
-        if name.endswith((".py", ".md", ".ipynb", ".sh", ".cfg")) or name.startswith(".ci/"):
-            text = open(os.path.join(REPO, name), errors="replace").read()
-            for path in re.findall(r"\bstepsync/[\w/]+\.py\b", text):
-                cited.setdefault(path, name)
-    missing = {path: where for path, where in cited.items() if not os.path.isfile(os.path.join(REPO, path))}
-    assert cited and missing == {}

@@ -1,0 +1,36 @@
+"""The repository's own text speaks of the project as it is: every path it cites exists, and no history (which
+issue, which session, what an earlier version did) is told in code, tests, scripts, notebook or README."""
+import os
+import re
+import subprocess
+
+from harness.paths import REPO
+
+TEXT = (".py", ".md", ".ipynb", ".sh", ".cfg", ".toml")
+HISTORY = re.compile(r"\bissues? \d{1,3}\b|previous (?:stop|session)|this session|the seed\b|earlier measurement|"
+                     r"in brackets|lent to this|no GPU was lent", re.IGNORECASE)
+
+
+def repository_text():
+    listed = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=REPO).stdout.split()
+    for name in listed:
+        if name.endswith(TEXT) or name.startswith(".ci/"):
+            path = os.path.join(REPO, name)
+            if os.path.isfile(path):
+                yield name, open(path, errors="replace").read()
+
+
+def test_every_cited_package_path_exists():
+    """Every ``stepsync/....py`` that the code, tests, scripts, notebook or README name is a real file."""
+    cited = {}
+    for name, text in repository_text():
+        for path in re.findall(r"\b(?:stepsync|tests|scripts|probes|benchmarks)/[\w/]+\.(?:py|sh|json)\b", text):
+            cited.setdefault(path, name)
+    missing = {path: where for path, where in cited.items() if not os.path.isfile(os.path.join(REPO, path))}
+    assert cited and missing == {}
+
+
+def test_no_history_words():
+    told = [f"{name}: {match.group(0)!r}" for name, text in repository_text() for match in HISTORY.finditer(text)
+            if name != "tests/unit/test_repository.py"]
+    assert told == []
