@@ -1,7 +1,7 @@
 """The support table: what each tested stack does, without stepsync and under each policy, from real runs.
 
 ``scripts/support_table.sh`` runs :func:`measure` with every stack's python, stores each result in
-``tests/support/STACK.json`` and rewrites the README's table with :func:`render_table`; the tests
+``tests/support/<stack>.json`` and rewrites the README's table with :func:`render_table`; the tests
 re-run the cases on the stack they run on and compare with the stored file, and compare the README
 with the stored files. Everything here but :func:`measure` is pure.
 """
