@@ -88,19 +88,11 @@ def recorder(trainer_ref: list, recording: Recording):
 
 
 @dataclass
-class RunResult:
-    trainer: Any
-    recording: Recording
-    callback: Any
-    error: Optional[BaseException] = None
+class RunResult(tiny_run.TinyRun):
+    """A tiny run with its independent recording and its StepSyncCallback (None: the run without stepsync)."""
 
-    @property
-    def engine(self):
-        return self.trainer.model_wrapped
-
-    @property
-    def model(self):
-        return self.trainer.model
+    recording: Recording = field(default_factory=Recording)
+    callback: Any = None
 
 
 def run_tiny(output_dir: str, samples: int, gas: int, epochs: float = 2, max_steps: int = -1, stage: int = 0,
@@ -119,7 +111,7 @@ def run_tiny(output_dir: str, samples: int, gas: int, epochs: float = 2, max_ste
 
     done = tiny_run.run_tiny(output_dir, samples, gas, epochs, max_steps, stage, callbacks=callbacks,
                              on_trainer=on_trainer, **options)
-    return RunResult(done.trainer, recording, callback, done.error)
+    return RunResult(done.trainer, done.error, recording, callback)
 
 
 def run(tmp_path, n, g, epochs, stage=0, policy="warn", **kwargs) -> RunResult:
