@@ -1,0 +1,116 @@
+"""What a Lightning release does with DeepSpeed and accumulate_grad_batches, measured on CPU.
+
+    python probes/lightning_probe.py [N,G,E[,STAGE] ...]     (prints one JSON object per case)
+
+A linear model whose loss is ``w . x`` with one-hot ``x`` (one dimension per sample) and plain SGD (lr 1) makes
+each update's weights exact: the update of dimension i is minus the weight sample i had in it. Per batch it
+records Lightning's ``global_step``, the engine's ``global_steps`` and the LR scheduler's steps; per update,
+which samples it held and with what weight. Lightning's DeepSpeed strategy refuses a CPU accelerator in
+one device check; this probe lifts exactly that check (see ``lift_the_cuda_check``).
+"""
+import json
+import os
+import sys
+import tempfile
+import warnings
+
+
+def lift_the_cuda_check() -> None:
+    """Let Lightning's DeepSpeed strategies run on a CPU accelerator: the one line that refuses it (an
+    ``isinstance(self.accelerator, CUDAAccelerator)`` check, in ``setup_environment`` or ``init_deepspeed`` by
+    release) is the only use of the name ``CUDAAccelerator`` in those modules, so that name alone accepts CPU."""
+    import lightning.fabric.strategies.deepspeed as fabric_deepspeed
+    import lightning.pytorch.strategies.deepspeed as trainer_deepspeed
+    from lightning.fabric.accelerators import CPUAccelerator as FabricCPU
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    for module, cpu in ((trainer_deepspeed, CPUAccelerator), (fabric_deepspeed, FabricCPU)):
+        if not isinstance(module.CUDAAccelerator, tuple):
+            module.CUDAAccelerator = (module.CUDAAccelerator, cpu)
+
+
+def cpu_deepspeed_strategy(stage: int):
+    import torch
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    lift_the_cuda_check()
+    return DeepSpeedStrategy(stage=stage, parallel_devices=[torch.device("cpu", 0)], process_group_backend="gloo")
+
+
+def parameters(module):
+    """The model's weights, whole (ZeRO-3 keeps a shard on each rank: gather it)."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([module.w]):
+        return module.w.detach().clone()
+
+
+def run_case(n: int, g: int, epochs: int, stage: int) -> dict:
+    import lightning.pytorch as pl
+    import torch
+
+    class OneHot(torch.utils.data.Dataset):
+        def __len__(self):
+            return n
+
+        def __getitem__(self, index):
+            return torch.nn.functional.one_hot(torch.tensor(index), n).float()
+
+    class Linear(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(n))
+
+        def training_step(self, batch, batch_idx):
+            return (batch @ self.w).sum()
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=1.0)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    class Record(pl.Callback):
+        def __init__(self):
+            self.rows, self.updates, self.last = [], [], None
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            engine = trainer.strategy.model
+            weights = parameters(module)
+            if self.last is not None and not torch.equal(weights, self.last):
+                moved = (self.last - weights)
+                self.updates.append({str(i): round(float(v), 6) for i, v in enumerate(moved) if abs(float(v)) > 1e-9})
+            self.last = weights
+            scheduler = trainer.lr_scheduler_configs[0].scheduler if trainer.lr_scheduler_configs else None
+            self.rows.append([trainer.current_epoch, batch_idx, trainer.global_step, engine.global_steps,
+                              getattr(scheduler, "last_epoch", None)])
+
+        def on_train_start(self, trainer, module):
+            self.last = parameters(module)
+
+    record = Record()
+    trainer = pl.Trainer(accelerator="cpu", strategy=cpu_deepspeed_strategy(stage), max_epochs=epochs,
+                         accumulate_grad_batches=g, callbacks=[record], logger=False, enable_checkpointing=False,
+                         use_distributed_sampler=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tempfile.mkdtemp())
+    trainer.fit(Linear(), torch.utils.data.DataLoader(OneHot(), batch_size=1))
+    engine = trainer.strategy.model
+    return {"n": n, "g": g, "epochs": epochs, "stage": stage, "lightning_steps": trainer.global_step,
+            "engine_steps": engine.global_steps, "batches": record.rows, "updates": record.updates}
+
+
+def main(argv) -> int:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"), ("LOCAL_RANK", "0"),
+                        ("WORLD_SIZE", "1")):
+        os.environ.setdefault(name, value)
+    warnings.filterwarnings("ignore")
+    cases = argv or ["3,2,2", "5,2,3", "7,3,2", "2,4,2"]
+    for case in cases:
+        parts = [int(p) for p in case.split(",")]
+        n, g, epochs, stage = (parts + [0])[:4]
+        print(json.dumps(run_case(n, g, epochs, stage)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
