@@ -98,6 +98,12 @@ def run_case(n: int, g: int, epochs: int, stage: int) -> dict:
             "engine_steps": engine.global_steps, "batches": record.rows, "updates": record.updates}
 
 
+def versions() -> dict:
+    from importlib.metadata import version
+
+    return {name: version(name) for name in ("lightning", "deepspeed", "torch")}
+
+
 def main(argv) -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"), ("LOCAL_RANK", "0"),
@@ -108,7 +114,7 @@ def main(argv) -> int:
     for case in cases:
         parts = [int(p) for p in case.split(",")]
         n, g, epochs, stage = (parts + [0])[:4]
-        print(json.dumps(run_case(n, g, epochs, stage)), flush=True)
+        print(json.dumps({**run_case(n, g, epochs, stage), "versions": versions()}), flush=True)
     return 0
 
 

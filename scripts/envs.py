@@ -23,6 +23,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # the stack matrix: tests/harness/matrix.py
 
 TORCH = "2.13.0"
 # torch 2.13's own requirements: resolved today, whatever AS_OF says.

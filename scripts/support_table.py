@@ -12,6 +12,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # tests/harness/matrix.py
 
 from harness import matrix as support  # noqa: E402
 

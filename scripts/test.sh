@@ -13,10 +13,14 @@ bash scripts/lint.sh || status=1
 echo "=== lint and type check (ruff, mypy): $(( $(date +%s) - start )) s"
 # The drifting stack's numerical test compares with the aligned stack: build that first.
 start=$(date +%s)
-export STEPSYNC_ALIGNED_PYTHON="$(bash scripts/stack.sh aligned)/bin/python"
+# A stack list or a reference stack that cannot be had fails the run: never a green run that tested nothing.
+aligned=$(bash scripts/stack.sh aligned) || { echo "=== the aligned stack could not be built" >&2; exit 1; }
+export STEPSYNC_ALIGNED_PYTHON="$aligned/bin/python"
 echo "=== built the aligned stack first (the numerics reference) in $(( $(date +%s) - start )) s"
+stacks=${STEPSYNC_STACKS:-$(bash scripts/stack.sh --list)} || exit 1
+[ -n "$stacks" ] || { echo "=== no stack to test" >&2; exit 1; }
 summary=""
-for stack in ${STEPSYNC_STACKS:-$(bash scripts/stack.sh --list)}; do
+for stack in $stacks; do
   start=$(date +%s)
   if ! venv=$(bash scripts/stack.sh "$stack"); then  # one stack that cannot be built fails the run, not the others
     status=1

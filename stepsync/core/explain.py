@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 from .choices import Policy
 from .plan import resume_position, updates_per_epoch
+from .versions import PlannedSteps
 
 if TYPE_CHECKING:  # pragma: no cover
     from .forecast import Forecast
@@ -20,6 +21,8 @@ def ends_early(forecast: Forecast) -> Optional[str]:
     where they are meant to and say so).
     """
     if forecast.policy in (Policy.REALIGN, Policy.DROP_LAST) or not forecast.epochs:
+        return None
+    if forecast.behaviour.planned_steps is PlannedSteps.WHOLE:  # it runs its epochs whatever it counts
         return None
     plan, last = forecast.plan, forecast.epochs[-1]
     counted = [row.trainer_updates for row in forecast.epochs]
@@ -56,18 +59,40 @@ def ends_early(forecast: Forecast) -> Optional[str]:
 
 
 def verdict(forecast: Forecast) -> str:
-    """One line: aligned, or affected with the reason and the remedy; then an early end, if any."""
+    """One line: aligned, or affected with the reason and the remedy; then what goes wrong in the updates
+    themselves and an early end, if any."""
     early = ends_early(forecast)
-    tail = f"; and {early}" if early else ""
-    if forecast.aligned:
+    wrong = what_the_updates_miss(forecast)
+    tail = "".join(f"; {fact}" for fact in wrong) + (f"; and {early}" if early else "")
+    framework = forecast.behaviour.framework
+    if forecast.aligned and not wrong:
         inherited = f" (inherited drift {forecast.inherited_drift:+d} stays)" if forecast.inherited_drift else ""
         return (f"aligned: both sides count {forecast.trainer_steps} updates under policy "
                 f"'{forecast.policy.value}'{inherited}{tail}")
+    if forecast.aligned:
+        return (f"affected: both sides count {forecast.trainer_steps} updates under policy "
+                f"'{forecast.policy.value}'{tail}; {forecast.behaviour.remedy}")
     reason = drift_reason(forecast)
     return (
-        f"affected: the Trainer counts {forecast.trainer_steps} updates, the engine makes {forecast.engine_steps} "
+        f"affected: {framework} counts {forecast.trainer_steps} updates, the engine makes {forecast.engine_steps} "
         f"(drift {forecast.drift:+d}); {reason}; {forecast.behaviour.remedy}{tail}"
     )
+
+
+def what_the_updates_miss(forecast: Forecast) -> List[str]:
+    """What the updates themselves get wrong, beyond the counts: the weight of each micro-batch, gradients
+    cleared before the engine applied them, windows that cross epoch ends."""
+    g = forecast.plan.gradient_accumulation_steps
+    framework, facts = forecast.behaviour.framework, []
+    if g > 1 and abs(forecast.micro_batch_weight - 1 / g) > 1e-12:
+        facts.append(f"each micro-batch weighs 1/{round(1 / forecast.micro_batch_weight)} of its update, not 1/{g} "
+                     f"({framework} and DeepSpeed both divide the loss by G)")
+    if forecast.wiped_micro_batches:
+        facts.append(f"{framework}'s zero_grad clears {forecast.wiped_micro_batches} micro-batch(es) the engine is "
+                     f"still accumulating (ZeRO-{forecast.plan.zero_stage}): trained, never applied")
+    if forecast.straddling and forecast.behaviour.zero_grad_at_its_windows:
+        facts.append(f"the engine's windows cross into epoch(s) {_listed(forecast.straddling)}")
+    return facts
 
 
 def forecast_dict(forecast: Forecast) -> dict:
@@ -84,10 +109,12 @@ def forecast_dict(forecast: Forecast) -> dict:
         "dropped_micro_batches": forecast.dropped_micro_batches,
         "unapplied_micro_batches": forecast.unapplied_micro_batches,
         "ends_early": ends_early(forecast),
+        "micro_batch_weight": forecast.micro_batch_weight,
+        "straddling": list(forecast.straddling),
+        "wiped_micro_batches": forecast.wiped_micro_batches,
         "stack": {
-            "transformers": forecast.behaviour.stack.transformers,
-            "accelerate": forecast.behaviour.stack.accelerate,
-            "deepspeed": forecast.behaviour.stack.deepspeed,
+            **asdict(forecast.behaviour.stack),
+            "framework": forecast.behaviour.framework,
             "trainer_rule": forecast.behaviour.trainer_rule.value,
             "engine_boundary": forecast.behaviour.engine_boundary.value,
             "measured": forecast.behaviour.measured,
@@ -108,7 +135,7 @@ def drift_reason(forecast: Forecast) -> str:
     plan, behaviour = forecast.plan, forecast.behaviour
     n, g = plan.micro_batches_per_epoch, plan.gradient_accumulation_steps
     if forecast.drift < forecast.inherited_drift:
-        shape = "the engine is ahead: its windows cross epoch ends while the Trainer's restart"
+        shape = f"the engine is ahead: its windows cross epoch ends while {behaviour.framework}'s restart"
     elif n <= g:
         shape = f"tiny epochs: N={n} <= G={g} forces a Trainer update at every epoch end"
     else:

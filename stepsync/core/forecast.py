@@ -12,7 +12,7 @@ from typing import List, Optional
 from . import explain, rules
 from .choices import Policy
 from .plan import RunPlan, planned_steps, resume_position, trainer_epoch_length, updates_per_epoch
-from .versions import EngineBoundary, StackBehaviour, TrainerRule
+from .versions import EngineBoundary, PlannedSteps, StackBehaviour, TrainerRule
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,11 @@ class Forecast:
             one (None otherwise).
         epochs_to_run: the epochs the Trainer's loop runs at most.
         stopped_by_plan: the run ends because the Trainer's count reached its ``max_steps`` (not the data's end).
+        micro_batch_weight: what each micro-batch weighs in its update (1/G when the loss is divided once).
+        straddling: the 1-based epochs that begin inside an engine window the previous epoch opened.
+        wiped_micro_batches: micro-batches whose gradients the framework's own zero_grad clears while the engine
+            still accumulates them (ZeRO 0, 1 and 3, when the windows differ): trained, never applied; those of the
+            engine's last window, which never closes, are counted in ``unapplied_micro_batches`` instead.
     """
 
     plan: RunPlan
@@ -63,6 +68,9 @@ class Forecast:
     reachable_steps: Optional[int] = None
     epochs_to_run: int = 0
     stopped_by_plan: bool = False
+    micro_batch_weight: float = 1.0
+    straddling: List[int] = field(default_factory=list)
+    wiped_micro_batches: int = 0
 
     @property
     def trainer_steps(self) -> int:
@@ -137,21 +145,37 @@ def _simulate(plan: RunPlan, behaviour: StackBehaviour, policy: Policy, planned:
     rule = behaviour.trainer_rule
     engine_follows = policy is Policy.SYNC or behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER
     per_epoch = updates_per_epoch(behaviour, n, g)
-    epochs_to_run = -(-planned // per_epoch) if plan.max_steps > 0 else math.ceil(plan.num_train_epochs)
+    every_epoch = behaviour.planned_steps is PlannedSteps.WHOLE  # Lightning runs its epochs; max_steps alone stops it
+    if every_epoch:
+        target = plan.max_steps if plan.max_steps > 0 else None
+        bound = plan.max_steps // per_epoch + 1 if per_epoch and plan.max_steps > 0 else 1
+        epochs_to_run = math.ceil(plan.num_train_epochs) if plan.num_train_epochs > 0 else bound
+    else:
+        epochs_to_run = -(-planned // per_epoch) if plan.max_steps > 0 else math.ceil(plan.num_train_epochs)
     start_epoch, start_position = resume_position(plan, behaviour)
     length = trainer_epoch_length(plan, behaviour)
-    last_position = min(length, (n // g) * g) if policy is Policy.DROP_LAST else length
+    # drop_last, and sync where the framework never counts an epoch's leftovers, train whole windows only
+    drops = policy is Policy.DROP_LAST or (policy is Policy.SYNC and rule is TrainerRule.WHOLE_WINDOWS)
+    last_position = min(length, (n // g) * g) if drops else length
+    wipes = behaviour.zero_grad_at_its_windows and plan.zero_stage in (0, 1, 3) and not engine_follows
 
     counters = _Counters(plan.trainer_steps_at_start, plan.engine_steps_at_start)
-    result = Forecast(plan, behaviour, policy, planned, epochs_to_run=epochs_to_run)
+    result = Forecast(plan, behaviour, policy, planned, epochs_to_run=epochs_to_run,
+                      micro_batch_weight=1 / g ** (1 if policy is Policy.SYNC else behaviour.loss_divisions))
     since_trainer_boundary = 0  # micro-batches after the Trainer's last update (unapplied when the engine follows)
+    last_clear = -1  # the engine's micro-batch count at the framework's last zero_grad
     for epoch in range(start_epoch, epochs_to_run):
         first = start_position if epoch == start_epoch else 0
         if first >= last_position:
             continue
+        open_window = 0 if engine_follows else counters.engine_micro % g
+        if open_window and epoch > start_epoch:
+            result.straddling.append(epoch + 1)
         t_before = counters.trainer_micro - first  # the Trainer's counter before position 0 of this epoch
         end, stopped = _epoch_end(policy, rule, engine_follows, counters, target, first, last_position, n, g)
         ran = end - first
+        if wipes:
+            last_clear = _clear_windows(result, counters.engine_micro, first, end, g, last_clear)
         done_before = rules.trainer_updates(rule, first, n, g, t_before)
         trainer_made = rules.trainer_updates(rule, end, n, g, t_before) - done_before
         engine_made = trainer_made if engine_follows else rules.engine_updates(ran, g, counters.engine_micro)
@@ -174,7 +198,7 @@ def _simulate(plan: RunPlan, behaviour: StackBehaviour, policy: Policy, planned:
                 trainer_steps=counters.trainer_steps,
                 engine_steps=counters.engine_steps,
                 partial_window=n % g if end == n and rule is TrainerRule.EPOCH_END else 0,
-                dropped=length - last_position if policy is Policy.DROP_LAST and not stopped else 0,
+                dropped=length - last_position if drops and not stopped else 0,
                 cut=n - length if not stopped and end == last_position else 0,
             )
         )
@@ -182,11 +206,32 @@ def _simulate(plan: RunPlan, behaviour: StackBehaviour, policy: Policy, planned:
             result.stopped_by_plan = True
             break
     result.unapplied_micro_batches = since_trainer_boundary if engine_follows else counters.engine_micro % g
+    opened_at = counters.engine_micro - result.unapplied_micro_batches
+    if wipes and last_clear > opened_at:  # the engine's last window never closes: its cleared ones count there
+        result.wiped_micro_batches -= last_clear - opened_at
     return result
 
 
+def _clear_windows(result: Forecast, engine_micro: int, first: int, end: int, g: int, last_clear: int) -> int:
+    """Count what the framework's zero_grad clears in one epoch (before each of its window starts p, p % G == 0,
+    in [first, end)) of what a counter-driven engine still accumulates; returns the engine's count at the last.
+
+    At a clear, the engine holds the micro-batches since its own window began (its count rounded down to G) or
+    since the previous clear, whichever is later. Inside an epoch the clears are G apart, so each but the first
+    clears the engine's count modulo G.
+    """
+    clears = (end - 1) // g - (first - 1) // g
+    if not clears:
+        return last_clear
+    at = engine_micro + (-(-first // g) * g - first)  # the engine's count at the epoch's first clear
+    result.wiped_micro_batches += at - max(at // g * g, last_clear) + (clears - 1) * (at % g)
+    return at + (clears - 1) * g
+
+
 def _epoch_end(policy, rule, engine_follows, counters, target, first, last, n, g):
-    """(position where the epoch's run stops, whether training stops there)."""
+    """(position where the epoch's run stops, whether training stops there); ``target`` None: nothing stops it."""
+    if target is None:
+        return last, False
     t_before = counters.trainer_micro - first  # the Trainer's counter before position 0 of this epoch
     if policy is Policy.REALIGN and not engine_follows:
         # The Trainer stops at its first boundary once the engine has made `target` updates.

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 from . import rules
-from .versions import PlannedSteps, StackBehaviour
+from .versions import StackBehaviour
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,10 @@ class RunPlan:
             saved one that differs from ``trainer_steps_at_start`` (see :func:`resume_steps_for`).
         examples_per_epoch: the Trainer's ``num_examples`` (the dataset's length); transformers 4.46-4.51
             size an epoch's last window from it. None: assumed N (batch size 1).
+        zero_stage: DeepSpeed's ZeRO stage, when known (whether a framework's zero_grad reaches the engine's
+            gradients).
+        start: (0-based epoch, micro-batches done in it) where a resumed run starts, when the framework says
+            so itself (Lightning); None: the Trainer's own resume arithmetic from ``trainer_steps_at_start``.
     """
 
     micro_batches_per_epoch: int
@@ -35,6 +39,8 @@ class RunPlan:
     engine_steps_at_start: int = 0
     resume_steps: Optional[int] = None
     examples_per_epoch: Optional[int] = None
+    zero_stage: Optional[int] = None
+    start: Optional[Tuple[int, int]] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.micro_batches_per_epoch, int) or self.micro_batches_per_epoch < 1:
@@ -58,7 +64,7 @@ class RunPlan:
 
 def updates_per_epoch(behaviour: StackBehaviour, n: int, g: int) -> int:
     """The Trainer's ``num_update_steps_per_epoch`` on this release."""
-    return rules.planned_updates_per_epoch(behaviour.planned_steps is PlannedSteps.CEIL, n, g)
+    return rules.planned_updates_per_epoch(behaviour.planned_steps.value, n, g)
 
 
 def trainer_epoch_length(plan: RunPlan, behaviour: StackBehaviour) -> int:
@@ -74,14 +80,20 @@ def planned_steps(plan: RunPlan, behaviour: StackBehaviour) -> int:
     """The Trainer's ``max_steps``: given, or derived from the epochs as this release does."""
     if plan.max_steps > 0:
         return plan.max_steps
+    if plan.num_train_epochs <= 0:
+        return 0
     per_epoch = updates_per_epoch(behaviour, plan.micro_batches_per_epoch, plan.gradient_accumulation_steps)
     return math.ceil(plan.num_train_epochs * per_epoch)
 
 
 def resume_position(plan: RunPlan, behaviour: StackBehaviour):
-    """(epochs trained, micro-batches to skip in that epoch) as the Trainer computes them on resume."""
+    """(epochs trained, micro-batches to skip in that epoch) as the framework computes them on resume."""
+    if plan.start is not None:
+        return plan.start
     per_epoch = updates_per_epoch(behaviour, plan.micro_batches_per_epoch, plan.gradient_accumulation_steps)
     steps = plan.trainer_steps_at_start if plan.resume_steps is None else plan.resume_steps
+    if per_epoch == 0:  # a framework that counts nothing in an epoch cannot place a resume by its count
+        return 0, 0
     return steps // per_epoch, (steps % per_epoch) * plan.gradient_accumulation_steps
 
 

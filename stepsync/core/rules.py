@@ -13,6 +13,8 @@ from .versions import TrainerRule
 def is_trainer_boundary(rule: TrainerRule, position: int, n: int, g: int, t_before: int = 0) -> bool:
     """Whether the Trainer counts an update after micro-batch ``position`` (1-based) of the epoch."""
     tiny_epoch_end = n <= g and position == n
+    if rule is TrainerRule.WHOLE_WINDOWS:
+        return position % g == 0
     if rule is TrainerRule.EPOCH_END:
         return position % g == 0 or position == n
     if rule is TrainerRule.EPOCH_WINDOW:
@@ -65,6 +67,8 @@ def engine_boundary_position(k: int, g: int, micro_before: int = 0) -> int:
     return (micro_before // g + k) * g - micro_before
 
 
-def planned_updates_per_epoch(ceil_rule: bool, n: int, g: int) -> int:
-    """The Trainer's ``num_update_steps_per_epoch``."""
-    return -(-n // g) if ceil_rule else max(n // g, 1)
+def planned_updates_per_epoch(planned: str, n: int, g: int) -> int:
+    """The framework's updates per epoch as it plans them (``PlannedSteps``' values: "ceil", "floor", "whole")."""
+    if planned == "ceil":
+        return -(-n // g)
+    return n // g if planned == "whole" else max(n // g, 1)

@@ -18,7 +18,7 @@ import functools
 from dataclasses import dataclass
 from enum import Enum
 from importlib import metadata
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from packaging.version import InvalidVersion, Version
 
@@ -44,6 +44,7 @@ class TrainerRule(str, Enum):
     EPOCH_WINDOW = "epoch_window"  # (s+1) % G == 0 or (N <= G and s+1 == N)
     GLOBAL_COUNTER = "global_counter"  # t % G == 0 or (N <= G and s+1 == N), t counted across epochs
     EPOCH_END = "epoch_end"  # (s+1) % G == 0 or s+1 == N
+    WHOLE_WINDOWS = "whole_windows"  # (s+1) % G == 0 only: an epoch's partial last window is never an update
 
 
 class EngineBoundary(str, Enum):
@@ -58,6 +59,7 @@ class PlannedSteps(str, Enum):
 
     FLOOR = "floor"  # E * max(N // G, 1)
     CEIL = "ceil"  # E * ceil(N / G)
+    WHOLE = "whole"  # E * (N // G), and the loop runs every epoch whatever it counts
 
 
 @dataclass(frozen=True)
@@ -178,9 +180,14 @@ class StackBehaviour:
         measured: whether the Trainer probe ran on this transformers release.
         remainder_cut: whether the Trainer sizes an epoch's last window from ``num_examples % G``.
         caveats: what the verdict rests on beyond measurement (an inferred release, a pre-release on a boundary).
+        framework: who keeps the first count, in words ("the Trainer", "Lightning").
+        loss_divisions: how many times the loss is divided by G before its gradients reach the engine (each
+            micro-batch then weighs 1 / G ** loss_divisions of its update).
+        zero_grad_at_its_windows: the framework clears gradients at the start of each of its own windows (which
+            wipes what the engine still accumulates when the two windows differ, on ZeRO 0, 1 and 3).
     """
 
-    stack: Stack
+    stack: Any
     trainer_rule: TrainerRule
     engine_boundary: EngineBoundary
     planned_steps: PlannedSteps
@@ -189,10 +196,15 @@ class StackBehaviour:
     measured: bool
     remainder_cut: bool
     caveats: Tuple[str, ...] = ()
+    framework: str = "the Trainer"
+    loss_divisions: int = 1
+    zero_grad_at_its_windows: bool = False
 
     @property
     def remedy(self) -> str:
         """What a user can do when this stack drifts."""
+        if self.framework == "Lightning":
+            return "use stepsync.lightning.StepSyncCallback(policy='sync')"
         if self.engine_boundary is EngineBoundary.FOLLOWS_TRAINER:
             return "use StepSyncCallback(policy='realign') to adopt the engine's count"
         if parse_version(self.stack.transformers) >= parse_version("4.47.0"):

@@ -1,0 +1,90 @@
+"""What each PyTorch Lightning release does with DeepSpeed and ``accumulate_grad_batches``, as probed.
+
+``probes/lightning_probe.py`` ran 2.0.9, 2.2.5, 2.4.0 and 2.6.6, each with the DeepSpeed of its time that runs
+on CPU (``probes/lightning.json``); ``tests/unit/test_lightning_versions.py`` fails when these rows and that
+data disagree. Every probed release does the same: one row per fact, each naming the Lightning code behind it.
+Pure Python: reads installed versions from package metadata and never imports the packages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import UnsupportedVersion
+from .versions import (
+    DEEPSPEED_FEATURES,
+    NEWEST,
+    EngineBoundary,
+    PlannedSteps,
+    ReleaseRow,
+    StackBehaviour,
+    TrainerRule,
+    installed_version,
+    parse_version,
+)
+
+OLDEST_LIGHTNING = "2.0.0"
+MEASURED_LIGHTNING = ("2.0.9", "2.2.5", "2.4.0", "2.6.6")
+
+LIGHTNING_ROWS = (
+    ReleaseRow("lightning", "2.0.0", None, TrainerRule.WHOLE_WINDOWS.value,
+               "with DeepSpeed the strategy handles accumulation (handles_gradient_accumulation), so Lightning never "
+               "steps on an epoch's partial last window, and its window counter (batch_progress.current) restarts "
+               "every epoch"),
+    ReleaseRow("lightning", "2.0.0", None, EngineBoundary.MICRO_COUNTER.value,
+               "its DeepSpeed precision plugin calls engine.step() on every micro-batch"),
+    ReleaseRow("lightning", "2.0.0", None, "loss_divided_twice",
+               "its closure divides the loss by accumulate_grad_batches, then DeepSpeedEngine.backward divides it "
+               "again (scale_wrt_gas=True): each micro-batch weighs 1/G**2"),
+    ReleaseRow("lightning", "2.0.0", None, "zero_grad_at_its_windows",
+               "optimizer_zero_grad runs at batch_idx % G == 0 of each epoch: on ZeRO 0, 1 and 3 it clears what the "
+               "engine is still accumulating; ZeRO-2 keeps it in its own buffers"),
+    ReleaseRow("lightning", "2.0.0", None, "scheduler_on_its_count",
+               "the strategy sets engine.lr_scheduler = None and Lightning steps the scheduler on its own count"),
+)
+
+
+@dataclass(frozen=True)
+class LightningStack:
+    """The versions of the two packages that decide how a Lightning run on DeepSpeed counts its steps."""
+
+    lightning: str = NEWEST
+    deepspeed: str = NEWEST
+
+    @classmethod
+    def installed(cls) -> LightningStack:
+        """The installed versions (``lightning``, else ``pytorch-lightning``); a missing one counts as newest."""
+        found = installed_version("lightning") or installed_version("pytorch-lightning")
+        return cls(found or NEWEST, installed_version("deepspeed") or NEWEST)
+
+    def __post_init__(self) -> None:
+        parse_version(self.lightning)
+        parse_version(self.deepspeed)
+
+    def __str__(self) -> str:
+        return f"lightning {self.lightning}, deepspeed {self.deepspeed}"
+
+
+def lightning_behaviour_of(stack: LightningStack) -> StackBehaviour:
+    """Resolve ``stack`` against the Lightning rows; raises :class:`UnsupportedVersion` below 2.0."""
+    version = parse_version(stack.lightning)
+    if stack.lightning != NEWEST and version < parse_version(OLDEST_LIGHTNING):
+        raise UnsupportedVersion(f"lightning {stack.lightning} is older than {OLDEST_LIGHTNING}, the first release "
+                                 f"stepsync covers (probed: {', '.join(MEASURED_LIGHTNING)}): upgrade lightning")
+    caveats = ()
+    if stack.lightning != NEWEST and stack.lightning not in MEASURED_LIGHTNING:
+        caveats = (f"lightning {stack.lightning} was not probed: its counting is inferred from the probed releases "
+                   f"({', '.join(MEASURED_LIGHTNING)}), which all do the same",)
+    return StackBehaviour(
+        stack=stack,
+        trainer_rule=TrainerRule.WHOLE_WINDOWS,
+        engine_boundary=EngineBoundary.MICRO_COUNTER,
+        planned_steps=PlannedSteps.WHOLE,
+        engine_reason=f"lightning {stack.lightning}: {LIGHTNING_ROWS[1].upstream}",
+        can_override_boundary=any(row.covers(stack.deepspeed) for row in DEEPSPEED_FEATURES[:1]),
+        measured=stack.lightning in MEASURED_LIGHTNING,
+        remainder_cut=False,
+        caveats=caveats,
+        framework="Lightning",
+        loss_divisions=2,
+        zero_grad_at_its_windows=True,
+    )
