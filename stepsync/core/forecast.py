@@ -139,7 +139,8 @@ def forecast(plan: RunPlan, behaviour: StackBehaviour, policy: Policy = Policy.W
     return result
 
 
-def _simulate(plan: RunPlan, behaviour: StackBehaviour, policy: Policy, planned: int, target: int) -> Forecast:
+def _simulate(plan: RunPlan, behaviour: StackBehaviour, policy: Policy, planned: int,
+              target: Optional[int]) -> Forecast:
     """The run whose epoch loop is sized by ``planned`` and which stops once its count reaches ``target``."""
     n, g = plan.micro_batches_per_epoch, plan.gradient_accumulation_steps
     rule = behaviour.trainer_rule

@@ -70,7 +70,7 @@ def lightning_behaviour_of(stack: LightningStack) -> StackBehaviour:
     if stack.lightning != NEWEST and version < parse_version(OLDEST_LIGHTNING):
         raise UnsupportedVersion(f"lightning {stack.lightning} is older than {OLDEST_LIGHTNING}, the first release "
                                  f"stepsync covers (probed: {', '.join(MEASURED_LIGHTNING)}): upgrade lightning")
-    caveats = ()
+    caveats: tuple = ()
     if stack.lightning != NEWEST and stack.lightning not in MEASURED_LIGHTNING:
         caveats = (f"lightning {stack.lightning} was not probed: its counting is inferred from the probed releases "
                    f"({', '.join(MEASURED_LIGHTNING)}), which all do the same",)
