@@ -2,7 +2,6 @@
 and applies what the run decides to the Trainer's state and control."""
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any, Optional, Union
 
@@ -14,7 +13,7 @@ from ..core.record import CALLBACK_NAME, step_of
 from ..core.report import LoadedCheckpoint, SyncReport
 from ..core.versions import Stack, behaviour_of
 from ..display.output import ConsoleOutput, logger
-from ..engine.faults import say_switched_off, stop_observing, switch_off
+from ..engine.faults import Adapter, guarded
 from ..engine.resume import record_of
 from ..engine.run import Run
 from . import trainer as trainer_facts
@@ -27,40 +26,10 @@ except ImportError:  # older releases: stepsync writes its own file into the che
     _CALLBACK_BASES = (TrainerCallback,)
 STORED_BY_TRAINER = len(_CALLBACK_BASES) == 2
 
-def _guarded(steering: bool, needs_run: bool = True):
-    """Run a hook; a failure inside stepsync is handed to :meth:`StepSyncCallback._failed`, never to training.
-    With ``needs_run`` the hook runs only while a run is on, and gets it as its first argument.
-
-    A hook's work is of two kinds. Steering (positions, the policy's effect on training) reads only counters
-    that are equal on every rank: a fault there is the same on every rank and switches stepsync off. Observing
-    (checks, messages, metrics, records) is where one rank's disk, terminal or handlers can fail alone: a fault
-    there ends observing on that rank and never changes the steering.
-    """
-
-    def decorate(hook):
-        @functools.wraps(hook)
-        def wrapper(self: StepSyncCallback, args, state, control, **kwargs):
-            run = self._run
-            if needs_run and run is None:
-                return None
-            try:
-                if needs_run:
-                    return hook(self, run, args, state, control, **kwargs)
-                return hook(self, args, state, control, **kwargs)
-            except (StepDriftError, StepSyncConfigError):
-                raise
-            except Exception as exc:
-                return self._failed(hook.__name__, exc, steering)
-
-        return wrapper
-
-    return decorate
-
-
 def _micro_batch_hook(name: str, trainer_updated: bool):
     """The hook of every micro-batch (``on_substep_end``, or ``on_step_end`` where the Trainer counted an update).
 
-    It guards itself: _guarded's extra call and ``**kwargs`` pass cost microseconds on every micro-batch.
+    It guards itself: guarded()'s extra call and ``**kwargs`` pass cost microseconds on every micro-batch.
     """
 
     def hook(self: StepSyncCallback, args, state, control, **kwargs):
@@ -82,7 +51,7 @@ def _micro_batch_hook(name: str, trainer_updated: bool):
     return hook
 
 
-class StepSyncCallback(*_CALLBACK_BASES):  # type: ignore[misc]  # the bases depend on the release
+class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the bases depend on the release
     """Keeps ``state.global_step`` and the DeepSpeed engine's ``global_steps`` in agreement.
 
     Before training it forecasts both counts per epoch; at every step end and epoch end it
@@ -143,13 +112,13 @@ class StepSyncCallback(*_CALLBACK_BASES):  # type: ignore[misc]  # the bases dep
 
     # ----------------------------------------------------------------- hooks
 
-    @_guarded(steering=True, needs_run=False)
+    @guarded(steering=True, needs_run=False)
     def on_init_end(self, args, state, control, **kwargs):
         trainer = trainer_facts.find_trainer(self)
         if trainer is not None:  # before the progress bar and the reporters read the plan at on_train_begin
             trainer_facts.run_after_the_flow_callback(trainer, self)
 
-    @_guarded(steering=True, needs_run=False)
+    @guarded(steering=True, needs_run=False)
     def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
         self._run, self._leader, self._state = None, None, state
         self._report = SyncReport(self.policy)
@@ -203,14 +172,14 @@ class StepSyncCallback(*_CALLBACK_BASES):  # type: ignore[misc]  # the bases dep
         state.max_steps = before[1]
         self._switch_off(f"{reason}; no rank steers this run", exc_info=failure)
 
-    @_guarded(steering=True)
+    @guarded(steering=True)
     def on_epoch_begin(self, run: Run, args, state, control, **kwargs):
         run.begin_epoch()
 
     on_substep_end = _micro_batch_hook("on_substep_end", trainer_updated=False)
     on_step_end = _micro_batch_hook("on_step_end", trainer_updated=True)
 
-    @_guarded(steering=True)
+    @guarded(steering=True)
     def on_epoch_end(self, run: Run, args, state, control, **kwargs):
         steering = run.end_epoch(state.global_step)
         if steering is not None:
@@ -220,13 +189,13 @@ class StepSyncCallback(*_CALLBACK_BASES):  # type: ignore[misc]  # the bases dep
         run = self._run
         if run is None or logs is None or not run.observing:
             return None
-        try:  # guarded here, not by _guarded: one call less
+        try:  # guarded here, not by guarded(): one call less
             trainer_facts.add_metrics(state, logs, run.engine_steps_seen)
         except Exception as exc:
             return self._failed("on_log", exc, False)
         return None
 
-    @_guarded(steering=False)
+    @guarded(steering=False)
     def on_save(self, run: Run, args, state, control, **kwargs):
         if getattr(args, "should_save", state.is_world_process_zero):
             trainer_facts.save_the_record(run, args, state, STORED_BY_TRAINER, self.policy is Policy.RAISE)
@@ -241,7 +210,7 @@ class StepSyncCallback(*_CALLBACK_BASES):  # type: ignore[misc]  # the bases dep
             record = None
         return {"args": {"policy": self.policy.value}, "attributes": {"saved_record": record}}
 
-    @_guarded(steering=True, needs_run=False)
+    @guarded(steering=True, needs_run=False)
     def on_train_end(self, args, state, control, **kwargs):
         run = self._run
         if self._leader is None:
@@ -273,22 +242,7 @@ class StepSyncCallback(*_CALLBACK_BASES):  # type: ignore[misc]  # the bases dep
         if trainer_facts.speaks(args, state):
             logger.log(level, "%s", reason)
 
-    def _failed(self, hook: str, exc: Exception, steering: bool) -> None:
-        """A failure inside stepsync. Policy 'raise' stops the run. A fault of the steering (the same on every
-        rank) switches stepsync off; a fault of the observing ends only the observing on this rank."""
-        if steering or self.policy is Policy.RAISE:
-            self._switch_off(f"internal error in {hook}: {exc!r}", exc_info=exc)
-            if self.policy is Policy.RAISE:
-                raise exc
-            return
-        if self._run is not None:
-            stop_observing(self._run, hook, exc)
-
-    def _switch_off(self, reason: str, exc_info: Optional[BaseException] = None) -> None:
-        run, self._run = self._run, None
-        if run is None:
-            return say_switched_off(self.report, reason, exc_info)
-        switch_off(run, reason, exc_info)
+    def _undo_steering(self) -> None:
         planned = self.report.planned_steps
         if planned is not None and self._state.max_steps < planned:
             self._state.max_steps = planned  # a lowered plan would now end the run early
