@@ -13,6 +13,7 @@ class Cause(str, Enum):
     TINY_EPOCH = "tiny epoch (N <= G)"
     ENGINE_AHEAD = "engine ahead (its windows cross epoch ends)"
     OUTSIDE_ACCUMULATE = "backward outside accelerator.accumulate()"
+    CAUGHT_UP = "the two counts agree again"
     UNEXPLAINED = "unexplained"
 
 
@@ -26,7 +27,8 @@ class DriftEvent:
         trainer_steps: ``state.global_step`` at that moment.
         engine_steps: ``engine.global_steps`` at that moment.
         previous_drift: the drift before this event.
-        where: ``"train_begin"``, ``"step_end"`` or ``"epoch_end"``.
+        where: ``"train_begin"``, ``"step_end"`` (where the framework counted an update), ``"batch_end"`` (a
+            micro-batch where it did not, checked by the Lightning callback) or ``"epoch_end"``.
         counter: what ``trainer_steps`` counts (the Trainer's ``global_step``, or a custom loop's updates).
     """
 

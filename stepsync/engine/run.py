@@ -37,6 +37,8 @@ class Run:
         is_main: whether this rank speaks (messages, views).
         plan: what the forecast is made from (None without a dataloader length).
         action: what acts for the policy (default: the report's policy's own action).
+        checks_every_micro_batch: compare both counts after every micro-batch, not only where the framework
+            counted an update (an engine ahead of it shows between its updates).
 
     Attributes:
         epoch: 0-based epoch now running (``-1`` before the first epoch begins).
@@ -61,12 +63,12 @@ class Run:
     __slots__ = ("position", "engine", "engine_steps_seen", "since_engine_update", "steers", "observing", "report",
                  "last_drift", "trainer_steps_seen", "action", "engine_at_last_update", "engine_moved_in_window",
                  "facts", "behaviour", "n", "g", "output", "counter", "is_main", "plan", "epoch", "start_epoch", "skip",
-                 "done_before_epoch", "t_before_epoch", "remedy", "known_cause")
+                 "done_before_epoch", "t_before_epoch", "remedy", "known_cause", "checks_every_micro_batch")
 
     def __init__(self, engine: Any, behaviour: StackBehaviour, n: Optional[int], g: int, report: SyncReport,
                  output: ConsoleOutput, counter: str = "Trainer global_step", start_epoch: int = 0, skip: int = 0,
                  is_main: bool = True, plan: Optional[RunPlan] = None,
-                 action: Optional[PolicyAction] = None) -> None:
+                 action: Optional[PolicyAction] = None, checks_every_micro_batch: bool = False) -> None:
         self.engine = engine
         self.facts = engine_facts(engine)
         self.behaviour = behaviour
@@ -94,6 +96,7 @@ class Run:
         self.remedy = behaviour.remedy
         self.known_cause: Optional[Cause] = None
         self.observing = True
+        self.checks_every_micro_batch = checks_every_micro_batch
 
     # ------------------------------------------------------------ messages
 
@@ -173,6 +176,8 @@ class Run:
             self.since_engine_update += 1
         steers = self.steers
         if not trainer_updated and steers != EVERY_MICRO_BATCH:  # most micro-batches of most policies end here
+            if self.checks_every_micro_batch and self.observing and trainer_steps - engine_steps != self.last_drift:
+                self._observe(self.check, trainer_steps, "batch_end")
             return None
         if trainer_updated:
             self.engine_moved_in_window = engine_steps != self.engine_at_last_update
@@ -182,11 +187,11 @@ class Run:
             steering = self._took(self.action.after_micro_batch(self, trainer_updated, engine_updated, trainer_steps))
             if steering is not None and steering.trainer_steps is not None:
                 trainer_steps = steering.trainer_steps
-        if trainer_updated:
+        if trainer_updated or self.checks_every_micro_batch:
             self.trainer_steps_seen = trainer_steps
             # check()'s own test, without its call: the report's counts catch up at the next event or epoch end
             if self.observing and trainer_steps - self.engine_steps_seen != self.last_drift:
-                self._observe(self.check, trainer_steps, "step_end")
+                self._observe(self.check, trainer_steps, "step_end" if trainer_updated else "batch_end")
         return steering
 
     def end_epoch(self, trainer_steps: int) -> Optional[Steering]:
@@ -255,6 +260,8 @@ class Run:
     def _cause(self, where: str, drift: int) -> Cause:
         if where == "train_begin":
             return Cause.INHERITED
+        if drift == self.report.inherited_drift:
+            return Cause.CAUGHT_UP
         if drift < self.last_drift:
             return Cause.ENGINE_AHEAD
         if self.known_cause is not None:

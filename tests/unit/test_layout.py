@@ -15,7 +15,7 @@ from harness.paths import REPO
 
 ROOT = os.path.join(REPO, "stepsync")
 LAYERS = ("core", "display", "engine", "adapters", "tools")  # each may import only the ones before it
-ADAPTERS = ("trainer", "accelerate")  # one folder per training framework
+ADAPTERS = ("trainer", "accelerate", "lightning")  # one folder per training framework
 FORBIDDEN_IN_CORE = ("torch", "transformers", "deepspeed", "accelerate", "lightning", "rich")
 MOST_LINES = 300
 

@@ -1,0 +1,203 @@
+"""``StepSyncCallback`` for PyTorch Lightning: translates Lightning's events into calls of one
+:class:`~stepsync.engine.run.Run` and applies what it decides to Lightning's loop and DeepSpeed's engine."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Union
+
+from lightning.pytorch import Callback
+
+from ..core.choices import Policy
+from ..core.errors import StepSyncConfigError, UnsupportedVersion
+from ..core.forecast import forecast
+from ..core.lightning_versions import LightningStack, lightning_behaviour_of
+from ..core.plan import RunPlan
+from ..core.record import ResumeRecord
+from ..core.report import SyncReport
+from ..display.output import ConsoleOutput, logger
+from ..engine.faults import Adapter, guarded
+from ..engine.policies import WatchOnly
+from ..engine.resume import continue_from, record_of
+from ..engine.run import Run
+from . import lightning as lightning_facts
+
+REFUSED = {Policy.REALIGN: "policy 'realign' cannot apply to Lightning: its global_step is derived from its loop's "
+                           "progress counters, which a callback cannot set; use policy='sync' (the engine follows "
+                           "Lightning) or policy='drop_last'"}
+
+
+class StepSyncCallback(Callback, Adapter):
+    """Keeps Lightning's ``global_step`` and the DeepSpeed engine's ``global_steps`` in agreement, and says what each
+    update really trained.
+
+    With ``strategy="deepspeed_stage_N"`` and ``accumulate_grad_batches=G``, Lightning counts an update every G
+    micro-batches of an epoch and never at its partial last window, while DeepSpeed updates on its own counter,
+    whose windows cross epoch ends; each micro-batch weighs 1/G**2 (the loss is divided twice), and on ZeRO 0, 1
+    and 3 Lightning's zero_grad clears gradients the engine still accumulates. Before training it forecasts all
+    of it; at every batch end and epoch end it compares both counts, logs each change of the drift, adds
+    ``stepsync/*`` metrics through Lightning's ``log``, and applies ``policy``.
+
+    Args:
+        policy: ``"warn"`` (default; report only), ``"raise"`` (stop at the first divergence, on every rank),
+            ``"sync"`` (the engine updates exactly where Lightning counts, each micro-batch at 1/G, an epoch's
+            leftover micro-batches not trained) or ``"drop_last"`` (an epoch's leftover micro-batches not
+            trained: no compute spent on them). ``"realign"`` is refused: Lightning's count cannot be set.
+        console: a ``rich.console.Console``, ``None`` for one on stderr, or ``False`` for none.
+
+    Raises:
+        ValueError: an unknown or refused policy, or a console that is not a rich Console.
+        StepDriftError: with ``policy="raise"``, at the first divergence.
+        StepSyncConfigError: ``sync`` or ``drop_last`` on an epoch shorter than one window (every micro-batch
+            would be dropped).
+
+    Example::
+
+        from stepsync.lightning import StepSyncCallback
+        trainer = pl.Trainer(strategy="deepspeed_stage_2", accumulate_grad_batches=2,
+                             callbacks=[StepSyncCallback(policy="sync")])
+        trainer.fit(model, train_dataloader)
+    """
+
+    def __init__(self, policy: Union[str, Policy] = Policy.WARN, console: Any = None) -> None:
+        self.policy = Policy.parse(policy)
+        if self.policy in REFUSED:
+            raise ValueError(REFUSED[self.policy])
+        self.output = ConsoleOutput(console)
+        self.report = SyncReport(self.policy, counter="Lightning")
+        self._run: Optional[Run] = None
+        self._saved: Optional[dict] = None
+        self._trainer: Any = None
+        self._batches = 0  # micro-batches per epoch that Lightning runs (whole windows under sync and drop_last)
+        self._dropped = 0
+        self._train_batch_size: Optional[int] = None
+        self._last_count = 0
+        self._start: Optional[tuple] = None  # what the run is built from at the first batch
+        self._epoch_open = False
+
+    # ----------------------------------------------------------------- state kept in Lightning's checkpoints
+
+    def state_dict(self) -> dict:
+        run = self._run
+        return {"saved_record": record_of(run).to_dict() if run is not None else None}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._saved = state_dict.get("saved_record")
+
+    # ----------------------------------------------------------------- hooks
+
+    @guarded(steering=True, needs_run=False)
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._run, self._start, self._trainer = None, None, trainer
+        self.report = SyncReport(self.policy, counter="Lightning")
+        engine = lightning_facts.deepspeed_engine(trainer)
+        if engine is None:
+            return self._deactivate("the Lightning Trainer does not use DeepSpeed: nothing to check", trainer)
+        try:
+            behaviour = lightning_behaviour_of(LightningStack.installed())
+        except UnsupportedVersion as exc:
+            return self._deactivate(f"{exc}; stepsync cannot check this run", trainer)
+        n, g = lightning_facts.batches_per_epoch(trainer), int(trainer.accumulate_grad_batches)
+        if self.policy is Policy.SYNC and n is None:
+            raise StepSyncConfigError("policy 'sync' needs the train dataloader's length to know where Lightning "
+                                      "counts its updates: give the dataloader a length, or use policy='warn'")
+        self._batches = self._whole_windows(n, g)
+        if self._dropped:
+            lightning_facts.end_epochs_after(trainer, self._batches)
+        # The run starts at the first batch: only then is it sure where a resumed fit stands in its epoch.
+        self._start = (engine, behaviour, n, g)
+
+    @guarded(steering=True, needs_run=False)
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._start is not None:
+            self._begin(trainer, batch_idx, *self._start)
+        if not self._epoch_open and self._run is not None:
+            self._run.begin_epoch()
+            self._epoch_open = True
+
+    def _begin(self, trainer, batch_idx: int, engine, behaviour, n: Optional[int], g: int) -> None:
+        self._start = None
+        epoch = trainer.current_epoch
+        plan = None if n is None else RunPlan(
+            n, g, trainer.max_epochs if trainer.max_epochs is not None else -1, trainer.max_steps,
+            trainer.global_step, engine.global_steps, zero_stage=lightning_facts.zero_stage(trainer),
+            start=(epoch, batch_idx))
+        run = Run(engine, behaviour, self._batches or n, g, self.report, self.output, counter="Lightning global_step",
+                  start_epoch=epoch, skip=batch_idx, is_main=trainer.is_global_zero, plan=plan,
+                  action=WatchOnly(Policy.DROP_LAST) if self.policy is Policy.DROP_LAST else None,
+                  checks_every_micro_batch=True)
+        self._run, self._last_count, self._epoch_open = run, trainer.global_step, False
+        self.report.active = True
+        run.state_what_differs("Lightning's accumulate_grad_batches")
+        if self.policy is Policy.SYNC and run.facts.can_override_boundary:
+            self._train_batch_size = lightning_facts.scale_the_loss_once(engine)
+        run.begin()
+        self.report.trainer_steps, self.report.engine_steps = trainer.global_step, engine.global_steps
+        self.report.inherited_drift = self.report.drift
+        if plan is not None:
+            predicted = forecast(plan, behaviour, self.report.policy)
+            self.report.planned_steps = predicted.planned_steps
+            run.announce(predicted)
+        if self._saved is not None:
+            continue_from(run, ResumeRecord.from_dict(self._saved))
+        run.check(trainer.global_step, "train_begin")
+
+    def _whole_windows(self, n: Optional[int], g: int) -> int:
+        """Micro-batches per epoch this policy trains: the whole windows under sync and drop_last, else 0 (all)."""
+        if n is None or self.policy not in (Policy.SYNC, Policy.DROP_LAST):
+            return 0
+        if n < g:
+            raise StepSyncConfigError(
+                f"policy '{self.policy.value}' would drop every micro-batch: an epoch has {n} micro-batches, fewer "
+                f"than accumulate_grad_batches={g}, and Lightning never counts an update in it; lower "
+                "accumulate_grad_batches")
+        self._dropped = n % g
+        return n - self._dropped
+
+    @guarded(steering=True, needs_run=False)
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if self._dropped:  # a dataloader reloaded for this epoch reset Lightning's epoch length
+            lightning_facts.end_epochs_after(trainer, self._batches)
+        self._epoch_open = False
+
+    @guarded(steering=True)
+    def on_train_batch_end(self, run: Run, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        count = trainer.global_step
+        updated = count != self._last_count
+        self._last_count = count
+        run.after_micro_batch(updated, count)  # no steering reaches Lightning's loop: it is set before the epoch
+        if updated and run.observing:
+            try:
+                lightning_facts.add_metrics(pl_module, count, run.engine_steps_seen)
+            except Exception as exc:
+                self._failed("on_train_batch_end", exc, False)
+
+    @guarded(steering=True)
+    def on_train_epoch_end(self, run: Run, trainer, pl_module) -> None:
+        if self._dropped and run.position >= self._batches:
+            self.report.dropped_micro_batches[run.epoch + 1] = self._dropped
+        run.end_epoch(trainer.global_step)
+
+    @guarded(steering=True)
+    def on_train_end(self, run: Run, trainer, pl_module) -> None:
+        self.report.finished = True
+        run.finish(trainer.global_step)
+        self._undo_steering()
+        steps = lightning_facts.scheduler_steps(trainer)
+        if steps is not None and steps != trainer.global_step and run.observing:
+            run.note(f"Lightning stepped the LR scheduler {steps} times for its {trainer.global_step} updates")
+        if run.observing:
+            run.summarize()
+
+    # ----------------------------------------------------------------- logic
+
+    def _undo_steering(self) -> None:
+        size, self._train_batch_size = self._train_batch_size, None
+        engine = lightning_facts.deepspeed_engine(self._trainer) if size is not None else None
+        if engine is not None:
+            engine.set_train_batch_size(size)  # DeepSpeed divides the loss by G again
+
+    def _deactivate(self, reason: str, trainer) -> None:
+        self.report.active = False
+        self.report.inactive_reason = reason
+        if trainer.is_global_zero:
+            logger.log(logging.INFO, "%s", reason)

@@ -1,0 +1,64 @@
+"""What the Lightning adapter must know of Lightning: its DeepSpeed engine, the shape of its epochs, where a
+resumed run stands, its scheduler, and how an epoch is made to end after its whole windows. Nothing here
+imports Lightning at load time."""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from ..engine.deepspeed import is_engine
+
+METRIC_KEYS = ("stepsync/lightning_steps", "stepsync/engine_steps", "stepsync/drift")
+
+
+def deepspeed_engine(trainer: Any) -> Optional[Any]:
+    """The DeepSpeed engine of a Lightning Trainer (its DeepSpeedStrategy keeps it as ``model``), or None."""
+    strategy = getattr(trainer, "strategy", None)
+    if strategy is None or "deepspeed" not in type(strategy).__name__.lower():
+        return None
+    engine = getattr(strategy, "model", None)
+    return engine if is_engine(engine) else None
+
+
+def zero_stage(trainer: Any) -> Optional[int]:
+    """The ZeRO stage in the strategy's DeepSpeed config, or None."""
+    config = getattr(trainer.strategy, "config", None) or {}
+    stage = (config.get("zero_optimization") or {}).get("stage")
+    return int(stage) if isinstance(stage, int) else None
+
+
+def batches_per_epoch(trainer: Any) -> Optional[int]:
+    """Micro-batches Lightning runs in an epoch on one rank (``limit_train_batches`` applied); None when unknown."""
+    n = trainer.num_training_batches
+    return int(n) if isinstance(n, (int, float)) and not math.isinf(n) and n > 0 else None
+
+
+def end_epochs_after(trainer: Any, batches: int) -> None:
+    """Make every epoch end after ``batches`` micro-batches: the number Lightning's loop ends an epoch at, as its
+    own ``limit_train_batches`` sets it (kept in ``fit_loop.max_batches``, which ``num_training_batches`` reads)."""
+    trainer.fit_loop.max_batches = batches
+
+
+def scheduler_steps(trainer: Any) -> Optional[int]:
+    """How many times Lightning stepped the LR scheduler (its ``last_epoch``), or None without one."""
+    configs = getattr(trainer, "lr_scheduler_configs", None) or []
+    steps = getattr(configs[0].scheduler, "last_epoch", None) if configs else None
+    return steps if isinstance(steps, int) else None
+
+
+def scale_the_loss_once(engine: Any) -> Optional[int]:
+    """Make DeepSpeed divide the loss by 1 instead of G (Lightning already divides it by G), through its public
+    ``set_train_batch_size``; the engine's updates are then set by its boundary alone. Returns the train batch
+    size to give back, or None when the engine has no such call."""
+    setter = getattr(engine, "set_train_batch_size", None)
+    if not callable(setter):
+        return None
+    before = engine.train_batch_size()
+    setter(engine.train_micro_batch_size_per_gpu() * engine.dp_world_size)
+    return before
+
+
+def add_metrics(module: Any, lightning_steps: int, engine_steps: int) -> None:
+    """Both counts and the drift, through Lightning's own ``log`` (its loggers and ``callback_metrics``)."""
+    module.log_dict({METRIC_KEYS[0]: float(lightning_steps), METRIC_KEYS[1]: float(engine_steps),
+                     METRIC_KEYS[2]: float(lightning_steps - engine_steps)}, on_step=True, on_epoch=False)

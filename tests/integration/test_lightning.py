@@ -1,0 +1,131 @@
+"""stepsync.lightning.StepSyncCallback on real Lightning + DeepSpeed runs on CPU, checked against an independent
+recorder (both counts and the scheduler's steps after every batch) and against each update's micro-batch weights
+solved from the parameters (harness/lightning_runs.py). Lightning's one device check is lifted; nothing else."""
+import pytest
+
+pytest.importorskip("lightning")
+
+from harness.lightning_runs import parameters, run_lightning  # noqa: E402
+from stepsync.core.errors import StepDriftError, StepSyncConfigError  # noqa: E402
+from stepsync.lightning import StepSyncCallback  # noqa: E402
+
+CASES = [(3, 2, 2), (5, 2, 3), (7, 3, 2)]
+STAGES = [0, 2, 3]
+
+
+def fit(n, g, epochs, stage=0, policy="warn", **options):
+    callback = StepSyncCallback(policy, console=False)
+    result = run_lightning(n, g, epochs, stage, callback, **options)
+    return result, callback.report
+
+
+def applied(result):
+    """Micro-batches whose gradients reached an update, from the parameters: each weighs 1/G**k of it."""
+    return [sample for update in result.recording.updates for sample in update]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("n, g, epochs", CASES)
+def test_warn_reports_what_the_run_did(n, g, epochs, stage):
+    result, report = fit(n, g, epochs, stage)
+    assert result.error is None
+    recorded = result.recording
+    lightning, engine = recorded.batches[-1][3:5]
+    assert (report.trainer_steps, report.engine_steps) == (lightning, engine) == (epochs * (n // g), epochs * n // g)
+    # The forecast, made before the first batch, equals the counts the recorder saw at every epoch end.
+    assert [(r.trainer_steps, r.engine_steps) for r in report.forecast.epochs] == recorded.epoch_ends
+    assert [(e.trainer_steps, e.engine_steps) for e in report.epochs] == recorded.epoch_ends
+    assert report.forecast_mismatches == []
+    # Each micro-batch weighs 1/G**2, as the forecast says; what zero_grad cleared is what never reached an update.
+    weights = {w for update in recorded.updates for w in update.values()}
+    assert report.forecast.micro_batch_weight == pytest.approx(1 / g ** 2)
+    assert all(abs(w * g ** 2 - round(w * g ** 2)) < 1e-4 for w in weights)
+    reached = round(sum(w for update in recorded.updates for w in update.values()) * g ** 2)
+    assert n * epochs - reached - report.unapplied_micro_batches == report.forecast.wiped_micro_batches
+    assert (report.forecast.wiped_micro_batches > 0) == (stage != 2 and n % g != 0)
+    # Lightning steps the scheduler on its own count.
+    assert all(batch[5] == batch[3] for batch in recorded.batches)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("n, g, epochs", CASES)
+def test_sync_updates_where_lightning_counts_at_one_over_g(n, g, epochs, stage):
+    result, report = fit(n, g, epochs, stage, "sync")
+    assert result.error is None
+    recorded = result.recording
+    whole = n - n % g
+    assert all(len(recorded.samples(e)) == whole for e in range(epochs))  # the leftovers are not trained
+    assert all(batch[3] == batch[4] == batch[5] for batch in recorded.batches)  # equal after every batch
+    assert [w for update in recorded.updates for w in update.values()] == [pytest.approx(1 / g)] * (whole * epochs)
+    assert sorted(applied(result)) == sorted(list(range(whole)) * epochs)  # nothing cleared, nothing straddles
+    assert report.drift == 0 and report.events == [] and report.dropped_micro_batches == (
+        {e: n % g for e in range(1, epochs + 1)} if n % g else {})
+    assert result.engine.gradient_accumulation_steps() == g  # the engine's own G given back at the end
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_sync_trains_the_parameters_of_the_same_run_without_deepspeed(stage):
+    """The gold standard: Lightning without DeepSpeed over the micro-batches sync trains (whole windows)."""
+    n, g, epochs = 7, 3, 2
+    synced, _ = fit(n, g, epochs, stage, "sync")
+    plain = run_lightning(n, g, epochs, deepspeed=False, limit_train_batches=n - n % g)
+    assert synced.error is None and plain.error is None
+    assert (parameters(synced.module) - plain.module.w.detach()).abs().max().item() < 1e-6
+    unsynced, _ = fit(n, g, epochs, stage, "warn")
+    assert (parameters(unsynced.module) - plain.module.w.detach()).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_drop_last_trains_whole_windows_only(stage):
+    n, g, epochs = 5, 2, 3
+    result, report = fit(n, g, epochs, stage, "drop_last")
+    recorded = result.recording
+    assert result.error is None and all(len(recorded.samples(e)) == 4 for e in range(epochs))
+    assert all(batch[3] == batch[4] for batch in recorded.batches)
+    assert report.dropped_micro_batches == {1: 1, 2: 1, 3: 1} and report.forecast.wiped_micro_batches == 0
+    assert "weighs 1/4" in report.forecast.verdict()  # what drop_last leaves as it is, said
+
+
+def test_raise_stops_at_the_first_divergence():
+    result, report = fit(3, 2, 2, 0, "raise")
+    assert isinstance(result.error, StepDriftError)
+    event = result.error.event
+    assert (event.epoch, event.micro_batch, event.where, event.trainer_steps, event.engine_steps) == (2, 1, "batch_end", 1, 2)
+
+
+@pytest.mark.parametrize("policy", ["sync", "drop_last"])
+def test_a_tiny_epoch_is_refused_before_any_batch(policy):
+    result, _ = fit(2, 4, 2, 0, policy)
+    assert isinstance(result.error, StepSyncConfigError) and "lower accumulate_grad_batches" in str(result.error)
+    assert result.recording.batches == []
+
+
+def test_a_tiny_epoch_under_warn_is_reported():
+    result, report = fit(2, 4, 2, 0)
+    assert result.error is None and (report.trainer_steps, report.engine_steps) == (0, 1)
+
+
+def test_realign_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="Lightning's count cannot be set|which a callback cannot set"):
+        StepSyncCallback("realign")
+
+
+def test_max_steps_ends_where_the_forecast_says():
+    result, report = fit(5, 2, 3, 0, "warn", max_steps=3)
+    assert result.error is None and result.trainer.global_step == 3
+    assert [(r.trainer_steps, r.engine_steps) for r in report.forecast.epochs] == result.recording.epoch_ends
+
+
+def test_a_resume_from_a_lightning_checkpoint_carries_the_report_on(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saver = ModelCheckpoint(dirpath=str(tmp_path), save_top_k=-1, every_n_epochs=1)
+    first, _ = fit(5, 2, 1, 0, "sync", enable_checkpointing=True, callbacks=[saver], default_root_dir=str(tmp_path))
+    assert first.error is None
+    checkpoint = sorted(tmp_path.glob("*.ckpt"))[-1]
+    resumed, report = fit(5, 2, 3, 0, "sync", ckpt_path=str(checkpoint))
+    assert resumed.error is None
+    assert report.resumed_from is not None and (report.resumed_from.trainer_steps, report.resumed_from.engine_steps) \
+        == (2, 2)
+    assert (report.trainer_steps, report.engine_steps) == (6, 6) and report.drift == 0
+    assert [(r.trainer_steps, r.engine_steps) for r in report.forecast.epochs] == resumed.recording.epoch_ends
