@@ -63,7 +63,9 @@ def imports(module, path):
 
 def graph():
     known = modules()
-    return {module: {name for name, _ in imports(module, path) if name in known and name != module}
+    # A module's own packages are loading already when it loads (``from . import x`` names its package first).
+    return {module: {name for name, _ in imports(module, path)
+                     if name in known and name != module and not module.startswith(name + ".")}
             for module, path in known.items()}
 
 
