@@ -1,0 +1,61 @@
+"""Lightning + DeepSpeed on two ranks (torchrun, gloo): every rank decides the same at the same batch; raise stops
+both; sync keeps both counts and the scheduler equal on both, at 1/G per micro-batch. A rank left waiting fails
+the test instead of hanging CI."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("lightning")
+
+from harness.runs import child_env  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lightning-ranks")
+    env = child_env(dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1"))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    script = os.path.join(os.path.dirname(__file__), "lightning_ranks.py")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                               "--master_port", port, script, str(out)], env=env, capture_output=True, text=True,
+                              timeout=600)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"two-process Lightning run hung: {exc}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.load(open(out / f"rank-{r}.json")) for r in (0, 1)]
+
+
+def test_every_rank_sees_and_decides_the_same(ranks):
+    first, second = ranks
+    assert first == second
+
+
+def test_raise_stops_both_ranks_at_the_same_batch(ranks):
+    for rank in ranks:
+        case = rank["raise-0"]
+        assert case["error"] == "StepDriftError"
+        assert (case["event"]["epoch"], case["event"]["micro_batch"], case["event"]["where"]) == (2, 1, "batch_end")
+
+
+@pytest.mark.parametrize("case", ["sync-0", "sync-2"])
+def test_sync_keeps_both_counts_and_the_scheduler_equal_on_both_ranks(ranks, case):
+    for rank in ranks:
+        run = rank[case]
+        assert run["error"] is None and run["counts"] == [2, 2] and run["epochs"] == run["recorded"] == [[1, 1], [2, 2]]
+        assert all(batch[3] == batch[4] == batch[5] for batch in run["batches"])
+        # Both ranks trained the same samples: the all-reduce averages them, each micro-batch at 1/G.
+        assert [w for update in run["updates"] for w in update.values()] == [0.5] * 4
+        assert run["dropped"] == {"1": 1, "2": 1}
+
+
+def test_warn_reports_the_engine_ahead_on_both_ranks(ranks):
+    for rank in ranks:
+        run = rank["warn-0"]
+        assert run["error"] is None and run["counts"] == [2, 3] and run["epochs"] == run["recorded"]
