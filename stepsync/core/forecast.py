@@ -101,6 +101,11 @@ class Forecast:
     def dropped_micro_batches(self) -> int:
         return sum(row.dropped for row in self.epochs)
 
+    @property
+    def sound(self) -> bool:
+        """Both sides agree, every update is what the framework means by one, and the run ends where asked."""
+        return self.aligned and not explain.what_the_updates_miss(self) and self.ends_early() is None
+
     def ends_early(self) -> Optional[str]:
         """Why the run ends before the epochs (or the ``max_steps``) asked for, in words; None when it does not."""
         return explain.ends_early(self)

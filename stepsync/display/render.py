@@ -42,11 +42,12 @@ def _shown(field: str) -> Callable[[EpochForecast], str]:
 def forecast_table(forecast: Forecast, title: Optional[str] = None) -> Table:
     """One row per epoch: updates counted by each side, the drift; partial windows, drops and cuts when any."""
     plan = forecast.plan
+    who = forecast.behaviour.framework.replace("the ", "")  # "Trainer", "Lightning"
     columns: List[Tuple[str, Callable[[EpochForecast], Any]]] = [
                ("epoch", lambda r: str(r.epoch)), ("micro-\nbatches", lambda r: str(r.micro_batches)),
-               ("Trainer\nupdates", lambda r: str(r.trainer_updates)),
+               (f"{who}\nupdates", lambda r: str(r.trainer_updates)),
                ("engine\nupdates", lambda r: str(r.engine_updates)),
-               ("Trainer\nsteps", lambda r: str(r.trainer_steps)), ("engine\nsteps", lambda r: str(r.engine_steps)),
+               (f"{who}\nsteps", lambda r: str(r.trainer_steps)), ("engine\nsteps", lambda r: str(r.engine_steps)),
                ("drift", lambda r: _drift_text(r.drift))]
     for header, field in (("partial\nwindow", "partial_window"), ("dropped", "dropped"), ("cut", "cut")):
         if any(getattr(row, field) for row in forecast.epochs):
@@ -81,9 +82,11 @@ def drift_panel(event: DriftEvent) -> Panel:
 
 
 def events_table(events: Iterable[DriftEvent]) -> Table:
+    events = list(events)
+    who = events[0].counter.split()[0] if events else "Trainer"  # "Trainer", "Lightning", "loop"
     rows = [[str(e.epoch), str(e.micro_batch), e.where.replace("_", " "), str(e.trainer_steps), str(e.engine_steps),
              _drift_text(e.drift), e.cause.name.lower().replace("_", " ")] for e in events]
-    return _table("drift events", ["epoch", "micro-\nbatch", "where", "Trainer", "engine", "drift", "cause"], rows)
+    return _table("drift events", ["epoch", "micro-\nbatch", "where", who, "engine", "drift", "cause"], rows)
 
 
 def summary_view(report: SyncReport) -> Panel:

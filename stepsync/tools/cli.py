@@ -11,6 +11,7 @@ from rich.console import Console
 from .._version import __version__
 from ..core.choices import Policy
 from ..core.forecast import forecast
+from ..core.lightning_versions import MEASURED_LIGHTNING, LightningStack, lightning_behaviour_of
 from ..core.plan import RunPlan
 from ..core.record import read_json
 from ..core.versions import MEASURED_TRANSFORMERS, NEWEST, Stack, behaviour_of, installed_version
@@ -20,6 +21,8 @@ from .config import deepspeed_config_of, from_training_args, resolve
 from .demo import run_demo
 
 EXIT_ALIGNED, EXIT_DRIFTS, EXIT_BAD_INPUT = 0, 1, 2
+LIGHTNING_REFUSED = {Policy.REALIGN: "policy 'realign' cannot apply to Lightning: its global_step is derived from "
+                                     "its loop's progress counters; use --policy sync or drop_last"}
 POLICIES = ", ".join(p.value for p in Policy)
 DESCRIPTION = """Keep transformers' Trainer and the DeepSpeed engine agreeing on the optimizer step count.
 
@@ -89,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="DeepSpeed's JSON ('auto' resolved as the Trainer does)")
     for package in ("transformers", "accelerate", "deepspeed"):
         check.add_argument(f"--{package}", default=None, help=f"{package} version (default: installed, else newest)")
+    check.add_argument("--framework", choices=("trainer", "lightning"), default="trainer",
+                       help="who counts the updates: transformers' Trainer (default) or PyTorch Lightning")
+    check.add_argument("--lightning", default=None, help="lightning version (default: installed, else the newest "
+                                                         "probed), with --framework lightning")
+    check.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
+                       help="DeepSpeed's ZeRO stage (default: the --deepspeed-config's, else unknown): whether "
+                            "Lightning's zero_grad clears what the engine still accumulates")
     check.add_argument("--json", action="store_true", help="print one JSON object")
     inspect = commands.add_parser(
         "inspect", help="audit the checkpoints of a Trainer output directory",
@@ -143,10 +153,19 @@ def run_check(args) -> int:
             shown = "its newest release" if assumed[package] == NEWEST else assumed[package]
             notes.append(f"{package} is not installed here and --{package} was not given: the forecast assumes "
                          f"{shown}; pass --{package} VERSION for the run's machine")
-    stack = Stack(**versions)
+    stage = args.zero_stage if args.zero_stage is not None else ((deepspeed or {}).get("zero_optimization") or {}).get(
+        "stage")
+    if args.framework == "lightning":
+        if args.policy in LIGHTNING_REFUSED:
+            raise ValueError(LIGHTNING_REFUSED[args.policy])
+        behaviour = lightning_behaviour_of(LightningStack(args.lightning or installed_version("lightning")
+                                                          or MEASURED_LIGHTNING[-1], versions["deepspeed"]))
+    else:
+        behaviour = behaviour_of(Stack(**versions))
     plan = RunPlan(inputs.micro_batches_per_epoch, inputs.gradient_accumulation_steps, inputs.num_train_epochs,
-                   inputs.max_steps, examples_per_epoch=inputs.samples)
-    result = forecast(plan, behaviour_of(stack), args.policy)
+                   inputs.max_steps, examples_per_epoch=inputs.samples,
+                   zero_stage=stage if isinstance(stage, int) else None)
+    result = forecast(plan, behaviour, args.policy)
     notes += list(result.behaviour.caveats)
     if args.json:
         data = result.to_dict()
@@ -157,7 +176,7 @@ def run_check(args) -> int:
         print(json.dumps(data))
     else:
         Console().print(forecast_view(result, notes))
-    return EXIT_ALIGNED if result.aligned and result.ends_early() is None else EXIT_DRIFTS
+    return EXIT_ALIGNED if result.sound else EXIT_DRIFTS
 
 
 def run_inspect(args) -> int:

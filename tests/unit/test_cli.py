@@ -141,3 +141,22 @@ def test_inspect_bad_paths_exit_2(tmp_path, where, fix):
         path.mkdir()
     proc = stepsync("inspect", str(path))
     assert proc.returncode == 2 and fix in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_check_forecasts_a_lightning_configuration():
+    proc = stepsync("check", "--framework", "lightning", "--lightning", "2.6.6", "--deepspeed", "0.19.8",
+                    "--samples", "3", "--gas", "2", "--epochs", "2", "--zero-stage", "0", "--json")
+    assert proc.returncode == 1, proc.stderr
+    data = json.loads(proc.stdout)
+    assert (data["trainer_steps"], data["engine_steps"], data["drift"]) == (2, 3, -1)
+    assert data["micro_batch_weight"] == 0.25 and data["wiped_micro_batches"] == 2 and data["straddling"] == [2]
+    assert data["stack"]["framework"] == "Lightning" and data["stack"]["lightning"] == "2.6.6"
+    synced = stepsync("check", "--framework", "lightning", "--lightning", "2.6.6", "--samples", "3", "--gas", "2",
+                      "--epochs", "2", "--zero-stage", "0", "--policy", "sync", "--json")
+    assert synced.returncode == 0 and json.loads(synced.stdout)["micro_batch_weight"] == 0.5
+
+
+@pytest.mark.reliability("bad_input")
+def test_check_refuses_realign_for_lightning_with_the_reason():
+    proc = stepsync("check", "--framework", "lightning", "--samples", "3", "--gas", "2", "--policy", "realign")
+    assert proc.returncode == 2 and "use --policy sync or drop_last" in proc.stderr
