@@ -3,6 +3,7 @@
     python3 scripts/envs.py build PATH AS_OF REQUIREMENT...    prints PATH when it is ready
     python3 scripts/envs.py stack NAME                         a test stack of tests/harness/matrix.py, in .stacks/NAME
     python3 scripts/envs.py tools PATH REQUIREMENT...          a small environment of tools (no torch), e.g. linters
+    python3 scripts/envs.py pins NAME                          the pinned releases of a test stack
 
 - uv installs everything when it is on PATH (seconds per environment); pip is the fallback.
 - torch is the CPU build 2.13.0: the local wheel that pip's find-links names, else ``pip install torch==2.13.0``
@@ -161,13 +162,18 @@ def main(argv):
     if len(argv) >= 3 and argv[0] == "build":
         print(build(argv[1], argv[2], argv[3:]))
         return 0
+    if len(argv) == 2 and argv[0] == "pins":
+        from harness import matrix as support
+
+        print(", ".join(r.replace("==", " ") for r in support.spec(argv[1]).requirements() if "==" in r))
+        return 0
     if len(argv) >= 3 and argv[0] == "tools":
         print(tools(argv[1], argv[2:]))
         return 0
     if argv == ["stack", "--list"]:
         from harness import matrix as support
 
-        print(" ".join(s.name for s in support.STACKS))
+        print(" ".join(s.name for s in (*support.STACKS, *support.LIGHTNING_STACKS)))
         return 0
     if len(argv) == 2 and argv[0] == "stack":
         try:

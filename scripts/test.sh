@@ -30,6 +30,9 @@ for stack in $stacks; do
   built=$(date +%s)
   case "$stack" in
     drifting|aligned) tests=(tests) ;;
+    lightning) tests=(tests/unit/test_lightning_versions.py tests/integration/test_lightning.py
+                      tests/multiprocess/test_lightning_two_processes.py) ;;
+    l[0-9]*) tests=(tests/integration/test_lightning.py) ;;
     *) tests=(tests/unit/test_forecast.py tests/unit/test_versions.py tests/unit/test_run.py
               tests/integration/test_support.py tests/integration/test_user_runs.py
               tests/multiprocess/test_loops_two_processes.py) ;;
@@ -38,7 +41,7 @@ for stack in $stacks; do
   # (stepsync.tools.tiny_run.cpu_distributed_env): stacks with the same release share it, others never do.
   export STEPSYNC_STACK="$stack" DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
   unset TORCH_EXTENSIONS_DIR
-  echo "=== stack $stack: $("$venv/bin/python" -c 'import importlib.metadata as m; print(*(p + " " + m.version(p) for p in ("transformers","accelerate","deepspeed")), sep=", ")')"
+  echo "=== stack $stack: $(python3 scripts/envs.py pins "$stack")"
   result=passed
   "$venv/bin/python" -m pytest -q -p no:cacheprovider "${tests[@]}" "$@" || { status=1; result=FAILED; }
   line="=== stack $stack: $result; build $(( built - start )) s, tests $(( $(date +%s) - built )) s"

@@ -102,11 +102,37 @@ STACKS = (
 )
 
 
-def spec(name: str) -> StackSpec:
-    for stack in STACKS:
+@dataclass(frozen=True)
+class LightningSpec:
+    """One tested PyTorch Lightning stack: its pins and the day its other dependencies are resolved as of."""
+
+    name: str
+    lightning: str
+    deepspeed: str
+    as_of: str
+    shows: str
+
+    def requirements(self) -> List[str]:
+        return [f"lightning=={self.lightning}", f"deepspeed=={self.deepspeed}", "numpy<2", *TEST_REQUIREMENTS]
+
+
+# Every Lightning release probed (probes/lightning.json), with a DeepSpeed that runs on CPU: the oldest one that
+# does is 0.14.5, which the releases before DeepSpeed 0.19 get.
+LIGHTNING_STACKS = (
+    LightningSpec("lightning", "2.6.6", "0.19.8", "2026-11-30", "newest Lightning"),
+    LightningSpec("l240", "2.4.0", "0.14.5", "2024-08-15", "Lightning 2.4"),
+    LightningSpec("l225", "2.2.5", "0.14.5", "2024-07-15", "Lightning 2.2"),
+    LightningSpec("l209", "2.0.9", "0.14.5", "2024-07-15", "Lightning 2.0"),
+)
+
+
+def spec(name: str):
+    """The StackSpec or LightningSpec called ``name``."""
+    for stack in (*STACKS, *LIGHTNING_STACKS):
         if stack.name == name:
             return stack
-    raise ValueError(f"unknown stack {name!r}: choose one of {', '.join(s.name for s in STACKS)}")
+    names = ", ".join(s.name for s in (*STACKS, *LIGHTNING_STACKS))
+    raise ValueError(f"unknown stack {name!r}: choose one of {names}")
 
 
 def measure(stack: StackSpec, work_dir: str) -> dict:

@@ -1,7 +1,11 @@
 """stepsync.lightning.StepSyncCallback on real Lightning + DeepSpeed runs on CPU, checked against an independent
 recorder (both counts and the scheduler's steps after every batch) and against each update's micro-batch weights
 solved from the parameters (harness/lightning_runs.py). Lightning's one device check is lifted; nothing else."""
+import shutil
+from importlib.metadata import version
+
 import pytest
+from packaging.version import Version
 
 pytest.importorskip("lightning")
 
@@ -10,7 +14,10 @@ from stepsync.core.errors import StepDriftError, StepSyncConfigError  # noqa: E4
 from stepsync.lightning import StepSyncCallback  # noqa: E402
 
 CASES = [(3, 2, 2), (5, 2, 3), (7, 3, 2)]
-STAGES = [0, 2, 3]
+# DeepSpeed 0.14.5 (the one of the older Lightning stacks) calls numactl for ZeRO-3 on a CPU; 0.19.8 does not.
+ZERO3_HERE = shutil.which("numactl") is not None or Version(version("deepspeed")) >= Version("0.19")
+STAGES = [0, 2, pytest.param(3, marks=pytest.mark.skipif(not ZERO3_HERE, reason="this DeepSpeed's CPU ZeRO-3 needs "
+                                                                                    "numactl, not installed here"))]
 
 
 def fit(n, g, epochs, stage=0, policy="warn", **options):
