@@ -31,8 +31,8 @@ for stack in $stacks; do
   case "$stack" in
     drifting|aligned) tests=(tests) ;;
     lightning) tests=(tests/unit/test_lightning_versions.py tests/integration/test_lightning.py
-                      tests/multiprocess/test_lightning_two_processes.py) ;;
-    l[0-9]*) tests=(tests/integration/test_lightning.py) ;;
+                      tests/integration/test_fabric.py tests/multiprocess/test_lightning_two_processes.py) ;;
+    l[0-9]*) tests=(tests/integration/test_lightning.py tests/integration/test_fabric.py) ;;
     *) tests=(tests/unit/test_forecast.py tests/unit/test_versions.py tests/unit/test_run.py
               tests/integration/test_support.py tests/integration/test_user_runs.py
               tests/multiprocess/test_loops_two_processes.py) ;;

@@ -14,6 +14,7 @@ class Cause(str, Enum):
     ENGINE_AHEAD = "engine ahead (its windows cross epoch ends)"
     OUTSIDE_ACCUMULATE = "backward outside accelerator.accumulate()"
     CAUGHT_UP = "the two counts agree again"
+    ENGINE_NOT_STEPPED = "the engine's step() is never called (Fabric's optimizer.step() bypasses it)"
     UNEXPLAINED = "unexplained"
 
 

@@ -43,6 +43,28 @@ LIGHTNING_ROWS = (
 )
 
 
+# What ZeRO 1 and 2 do in a Fabric loop (Fabric's optimizer.step() steps DeepSpeed's optimizer directly), by the
+# DeepSpeed release: measured with lightning 2.6.6 on DeepSpeed 0.14.5, 0.16.9, 0.17.0, 0.17.6, 0.18.0, 0.18.4,
+# 0.19.0, 0.19.4 and 0.19.8 (the releases between two measured ones are taken as the one before).
+FABRIC_ZERO12_ROWS = (
+    ReleaseRow("deepspeed", None, "0.17.6", "accumulates",
+               "the engine accumulates every backward of a window; with gradient_accumulation_steps=G in the config "
+               "it divides the loss by G again"),
+    ReleaseRow("deepspeed", "0.17.6", "0.18.4", "fails",
+               "the first optimizer.step() fails (TypeError with gradient_accumulation_steps=1 in the config, "
+               "KeyError: 0 with G)"),
+    ReleaseRow("deepspeed", "0.18.4", None, "keeps_the_last",
+               "with gradient_accumulation_steps=1 in the config every backward closes a window of the engine's, "
+               "so only the last micro-batch of each loop window reaches its update; with G, the first "
+               "optimizer.step() fails with KeyError: 0"),
+)
+
+
+def fabric_zero12(deepspeed: str) -> str:
+    """What ZeRO 1 and 2 do in a Fabric loop on this DeepSpeed: "accumulates", "fails" or "keeps_the_last"."""
+    return next(row.behaviour for row in FABRIC_ZERO12_ROWS if row.covers(deepspeed))
+
+
 @dataclass(frozen=True)
 class LightningStack:
     """The versions of the two packages that decide how a Lightning run on DeepSpeed counts its steps."""

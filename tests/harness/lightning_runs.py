@@ -142,3 +142,75 @@ def run_lightning(samples: int, gas: int, epochs: int = 2, stage: int = 0, callb
     except Exception as exc:  # the caller asserts on it
         result.error = exc
     return result
+
+
+@dataclass
+class FabricRun:
+    """A Fabric loop's run, recorded by the loop itself: after each micro-batch (epoch, batch_idx, the loop's
+    optimizer.step() count, the engine's count); each update's {sample: weight}."""
+
+    batches: List[tuple] = field(default_factory=list)
+    updates: List[Dict[int, float]] = field(default_factory=list)
+    watch: Any = None
+    engine: Any = None
+    error: Optional[BaseException] = None
+    weights: Any = None
+
+
+def run_fabric(samples: int, gas: int, epochs: int = 2, stage: int = 0, policy: Optional[str] = "warn",
+               config_gas: int = 1, deepspeed: bool = True) -> FabricRun:
+    """Fabric's documented accumulation loop (no_backward_sync around each backward, optimizer.step() every
+    ``gas`` micro-batches of an epoch, the loss divided by ``gas``) on the one-hot linear model."""
+    cpu_distributed_env()
+    import lightning as L
+    import torch
+    from lightning.fabric.strategies import DeepSpeedStrategy
+
+    import stepsync.lightning
+
+    lift_the_cuda_check()
+    config = {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": 1,
+              "gradient_accumulation_steps": config_gas, "zero_allow_untested_optimizer": True}
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=DeepSpeedStrategy(
+        config=config, parallel_devices=[torch.device("cpu", 0)], process_group_backend="gloo") if deepspeed else "auto")
+    fabric.launch()
+
+    class Linear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(samples))
+
+        def forward(self, x):
+            return (x @ self.w).sum()
+
+    record = FabricRun()
+    module = Linear()
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1.0))
+    record.engine = model._forward_module if deepspeed else None
+    data = torch.utils.data.DataLoader(torch.eye(samples), batch_size=1)
+    try:
+        record.watch = stepsync.lightning.watch(fabric, model, optimizer, policy, dataloader=data, console=False) \
+            if policy else None
+        last = parameters(module)
+        for epoch in range(epochs):
+            for batch_idx, batch in enumerate(data):
+                ends_window = (batch_idx + 1) % gas == 0
+                with fabric.no_backward_sync(model, enabled=not ends_window):
+                    fabric.backward(model(batch) / gas)
+                if ends_window:
+                    optimizer.step()
+                    optimizer.zero_grad()
+                weights = parameters(module)
+                if not torch.equal(weights, last):
+                    moved = last - weights
+                    record.updates.append({i: round(float(v), 6) for i, v in enumerate(moved) if abs(float(v)) > 1e-9})
+                last = weights
+                steps = record.watch.loop_steps if record.watch else None
+                record.batches.append((epoch, batch_idx, steps, getattr(record.engine, "global_steps", None)))
+    except Exception as exc:  # the caller asserts on it
+        record.error = exc
+    finally:
+        if record.watch is not None:
+            record.watch.close()
+    record.weights = parameters(module) if deepspeed else module.w.detach().clone()
+    return record

@@ -63,3 +63,13 @@ def test_the_forecast_equals_a_brute_force_lightning_loop(n, g, epochs, stage, p
     assert [(r.trainer_steps, r.engine_steps) for r in predicted.epochs] == truth.epoch_ends
     assert (predicted.wiped_micro_batches, predicted.unapplied_micro_batches) == (truth.wiped, truth.unapplied)
     assert predicted.dropped_micro_batches == truth.dropped
+
+
+def test_the_fabric_rows_are_what_each_deepspeed_did():
+    from stepsync.core.lightning_versions import fabric_zero12
+
+    with open(os.path.join(REPO, "probes", "fabric.json")) as handle:
+        measured = json.load(handle)["zero2"]
+    for deepspeed, seen in measured.items():
+        expected = "fails" if seen["config_gas_1"].startswith("fails") else seen["config_gas_1"]
+        assert fabric_zero12(deepspeed) == expected, deepspeed

@@ -1,0 +1,203 @@
+"""``stepsync.lightning.watch``: the check, and the fix where it can be exact, for a Fabric loop on DeepSpeed.
+
+Fabric's documented accumulation loop calls ``fabric.backward(loss)`` on every micro-batch inside
+``fabric.no_backward_sync(model, enabled=...)`` and ``optimizer.step()`` at the end of each window. Under
+DeepSpeed the wrapped optimizer steps DeepSpeed's optimizer directly and never calls ``engine.step()``: the
+engine's ``global_steps`` stays 0, its LR scheduler never steps and its checkpoints are all tagged
+``global_step0``; ``no_backward_sync`` does nothing; on ZeRO 1 and 2 every ``backward`` closes a window of the
+engine's (its ``gradient_accumulation_steps`` is 1), so only the last micro-batch of each loop window reaches the
+update; and with ``gradient_accumulation_steps=G`` in the DeepSpeed config, ZeRO 1 and 2 raise ``KeyError: 0``
+at the first ``optimizer.step()``.
+
+The watch wraps the Fabric instance's ``backward`` and ``no_backward_sync`` and the optimizer's ``step``; under
+``sync`` it makes the engine do the update the loop asks for: the engine's boundary is set from the loop's own
+``no_backward_sync(enabled=...)`` before each backward, and ``optimizer.step()`` becomes ``engine.step()``.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Dict, Optional, Union
+
+from ..core.choices import Policy
+from ..core.errors import StepSyncConfigError
+from ..core.events import Cause
+from ..core.lightning_versions import LightningStack, fabric_zero12, lightning_behaviour_of
+from ..core.report import SyncReport
+from ..display.output import ConsoleOutput, logger
+from ..engine.deepspeed import BoundaryOverride, is_engine
+from ..engine.faults import Adapter
+from ..engine.policies import action_for
+from ..engine.run import Run
+
+REFUSED = {
+    Policy.REALIGN: "policy 'realign' cannot change your loop's own count: use policy='sync' or 'warn'",
+    Policy.DROP_LAST: "policy 'drop_last' cannot end your dataloader's epochs early: use policy='sync' or 'warn'",
+}
+NEVER_STEPPED = ("Fabric's optimizer.step() steps DeepSpeed's optimizer directly and never calls engine.step(): the "
+                 "engine's global_steps stays at {engine} while your loop made {loop} update(s), its LR scheduler "
+                 "never steps and its checkpoints are all tagged global_step{engine}; use policy='sync', or call "
+                 "the engine's step() yourself")
+LOSES_GRADIENTS = ("on ZeRO-{stage} with gradient_accumulation_steps=1 in the DeepSpeed config every backward closes "
+                   "a window of the engine's, so only the last micro-batch of each of your loop's windows reaches "
+                   "its update (no_backward_sync does nothing under DeepSpeed); use policy='sync'")
+FAILS = ("with gradient_accumulation_steps={gas} in the DeepSpeed config, ZeRO-{stage}'s optimizer fails at the first "
+         "optimizer.step() under Fabric on DeepSpeed {deepspeed} (KeyError: 0 with G > 1); set "
+         "gradient_accumulation_steps to 1 in the config and accumulate in your loop (use policy='sync')")
+
+
+class FabricWatch(Adapter):
+    """Watches one Fabric loop on DeepSpeed; made by :func:`watch`. A context manager, or call :meth:`close`."""
+
+    def __init__(self, fabric: Any, model: Any, optimizer: Any, policy: Policy, dataloader: Any, console: Any):
+        self.fabric, self.optimizer, self.policy = fabric, optimizer, policy
+        self.output = ConsoleOutput(console)
+        self.report = SyncReport(policy, counter="your loop")
+        self.loop_steps = 0
+        self._run: Optional[Run] = None
+        self._override: Optional[BoundaryOverride] = None
+        self._ends_window: Optional[bool] = None  # what the loop's last no_backward_sync said of this micro-batch
+        self._reported_micro_batch = True  # the last backward's micro-batch is in the run's count
+        self._originals: Dict[str, Any] = {}
+        engine = getattr(model, "_forward_module", None)
+        if "deepspeed" not in type(getattr(fabric, "strategy", None)).__name__.lower() or not is_engine(engine):
+            self.report.inactive_reason = "this Fabric does not use DeepSpeed: nothing to check"
+            logger.info("%s", self.report.inactive_reason)
+            return
+        self._start(engine, dataloader)
+
+    def _start(self, engine: Any, dataloader: Any) -> None:
+        config = getattr(self.fabric.strategy, "config", None) or {}
+        stage = (config.get("zero_optimization") or {}).get("stage", 0)
+        gas = engine.gradient_accumulation_steps()
+        try:
+            n: Optional[int] = len(dataloader) if dataloader is not None else None
+        except TypeError:
+            n = None
+        run = self._run = Run(engine, lightning_behaviour_of(LightningStack.installed()), n, gas, self.report,
+                              self.output, counter="your loop's optimizer.step() count",
+                              is_main=bool(getattr(self.fabric, "is_global_zero", True)),
+                              action=action_for(Policy.RAISE if self.policy is Policy.RAISE else Policy.WARN))
+        run.known_cause = Cause.ENGINE_NOT_STEPPED
+        run.remedy = "use stepsync.lightning.watch(fabric, ..., policy='sync')"
+        self.report.active = True
+        zero12 = fabric_zero12(LightningStack.installed().deepspeed) if stage in (1, 2) else None
+        if zero12 in ("fails", "keeps_the_last") and (gas > 1 or zero12 == "fails"):
+            text = FAILS.format(gas=gas, stage=stage, deepspeed=LightningStack.installed().deepspeed)
+            if self.policy is not Policy.WARN:
+                raise StepSyncConfigError(text)
+            run.warn(text)
+        elif zero12 == "keeps_the_last" and self.policy is not Policy.SYNC:
+            run.warn(LOSES_GRADIENTS.format(stage=stage))
+        if self.policy is Policy.SYNC:
+            if not run.facts.can_override_boundary:
+                raise StepSyncConfigError(f"policy 'sync' cannot steer this engine: {run.facts.why_not}")
+            self._override = BoundaryOverride(engine)
+        self._wrap(run)
+
+    def _wrap(self, run: Run) -> None:
+        fabric, optimizer = self.fabric, self.optimizer
+        self._originals = {"backward": vars(fabric).get("backward"), "no_backward_sync": vars(fabric).get(
+            "no_backward_sync"), "step": vars(optimizer).get("step")}
+        backward, no_backward_sync, step = fabric.backward, fabric.no_backward_sync, optimizer.step
+
+        @functools.wraps(backward)
+        def watched_backward(tensor, *args, **kwargs):
+            self._before_backward(run)
+            return backward(tensor, *args, **kwargs)
+
+        @contextlib.contextmanager
+        def watched_no_backward_sync(module, enabled: bool = True):
+            self._ends_window = not enabled
+            with no_backward_sync(module, enabled):
+                yield
+
+        @functools.wraps(step)
+        def watched_step(*args, **kwargs):
+            result = run.engine.step() if self._override is not None else step(*args, **kwargs)
+            self._after_step(run)
+            return result
+
+        fabric.backward, fabric.no_backward_sync, optimizer.step = watched_backward, watched_no_backward_sync, \
+            watched_step
+
+    def _before_backward(self, run: Run) -> None:
+        if not self._reported_micro_batch:  # the previous micro-batch ended without an optimizer.step()
+            run.after_micro_batch(False, self.loop_steps)
+        if run.epoch < 0:
+            run.begin_epoch()
+        elif run.n is not None and run.position >= run.n:
+            run.end_epoch(self.loop_steps)
+            run.begin_epoch()
+        self._reported_micro_batch = False
+        if self._override is not None:
+            if self._ends_window is None:
+                raise StepSyncConfigError("policy 'sync' needs your loop's fabric.no_backward_sync(model, "
+                                          "enabled=...) around each backward, to know which micro-batch ends a window")
+            self._override.set(self._ends_window)
+        self._ends_window = None
+
+    def _after_step(self, run: Run) -> None:
+        self.loop_steps += 1
+        self._reported_micro_batch = True
+        run.after_micro_batch(True, self.loop_steps)
+        if self.loop_steps == 1 and run.engine.global_steps == 0:
+            run.warn(NEVER_STEPPED.format(engine=0, loop=1))
+
+    def close(self) -> SyncReport:
+        """Give ``backward``, ``no_backward_sync``, ``step`` and the engine's boundary back; the report is final."""
+        for owner, names in ((self.fabric, ("backward", "no_backward_sync")), (self.optimizer, ("step",))):
+            for name in names:
+                original = self._originals.get(name)
+                if original is None:
+                    vars(owner).pop(name, None)
+                else:
+                    setattr(owner, name, original)
+        if self._override is not None:
+            self._override.restore()
+        run = self._run
+        if run is not None and not self.report.finished:
+            if not self._reported_micro_batch:
+                run.after_micro_batch(False, self.loop_steps)
+            if run.n is not None and run.position >= run.n:
+                run.end_epoch(self.loop_steps)
+            run.finish(self.loop_steps)
+            self.report.finished = True
+            run.summarize()
+        return self.report
+
+    def __enter__(self) -> FabricWatch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def watch(fabric: Any, model: Any, optimizer: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any = None,
+          console: Any = None) -> FabricWatch:
+    """Watch a Fabric loop on DeepSpeed; call it after ``model, optimizer = fabric.setup(model, optimizer)``.
+
+    Args:
+        fabric: the ``lightning.Fabric`` of the loop.
+        model, optimizer: what ``fabric.setup`` returned.
+        policy: ``"warn"`` (name what goes wrong), ``"raise"`` (stop at the first divergence) or ``"sync"`` (the
+            engine updates where your loop calls ``optimizer.step()``, accumulating the micro-batches your
+            ``fabric.no_backward_sync(model, enabled=True)`` marks). ``"realign"`` and ``"drop_last"`` are refused.
+        dataloader: the training dataloader (its length tells the epochs apart).
+        console: as for :class:`stepsync.StepSyncCallback`.
+
+    Example::
+
+        model, optimizer = fabric.setup(model, optimizer)
+        with stepsync.lightning.watch(fabric, model, optimizer, policy="sync", dataloader=loader) as sync:
+            for batch_idx, batch in enumerate(loader):
+                with fabric.no_backward_sync(model, enabled=(batch_idx + 1) % 4 != 0):
+                    fabric.backward(model(batch) / 4)
+                if (batch_idx + 1) % 4 == 0:
+                    optimizer.step(); optimizer.zero_grad()
+        print(sync.report)
+    """
+    policy = Policy.parse(policy)
+    if policy in REFUSED:
+        raise ValueError(REFUSED[policy])
+    return FabricWatch(fabric, model, optimizer, policy, dataloader, console)
