@@ -4,14 +4,14 @@
                                                             DeepSpeed config; 0: left at 1)
 
 Prints OK with the last (epoch, batch, engine global_steps, scheduler steps) and each update's {sample: weight}
-(a one-hot linear model under plain SGD makes them exact), or ERR with the exception. Needs tests/ on
-PYTHONPATH for the lifted device check (tests/harness/lightning_runs.py).
+(a one-hot linear model under plain SGD makes them exact), or ERR with the exception. Lightning's one device
+check is lifted as stepsync/tools/tiny_lightning.py does.
 """
 import sys
 import warnings
 
 warnings.filterwarnings("ignore")
-from harness.lightning_runs import lift_the_cuda_check
+from stepsync.tools.tiny_lightning import lift_the_cuda_check
 from stepsync.tools.tiny_run import cpu_distributed_env
 cpu_distributed_env()
 import torch, lightning as L

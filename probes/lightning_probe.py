@@ -6,7 +6,7 @@ A linear model whose loss is ``w . x`` with one-hot ``x`` (one dimension per sam
 each update's weights exact: the update of dimension i is minus the weight sample i had in it. Per batch it
 records Lightning's ``global_step``, the engine's ``global_steps`` and the LR scheduler's steps; per update,
 which samples it held and with what weight. Lightning's DeepSpeed strategy refuses a CPU accelerator in
-one device check; this probe lifts exactly that check (see ``lift_the_cuda_check``).
+one device check; this probe lifts exactly that check (stepsync/tools/tiny_lightning.py).
 """
 import json
 import os
@@ -15,26 +15,10 @@ import tempfile
 import warnings
 
 
-def lift_the_cuda_check() -> None:
-    """Let Lightning's DeepSpeed strategies run on a CPU accelerator: the one line that refuses it (an
-    ``isinstance(self.accelerator, CUDAAccelerator)`` check, in ``setup_environment`` or ``init_deepspeed`` by
-    release) is the only use of the name ``CUDAAccelerator`` in those modules, so that name alone accepts CPU."""
-    import lightning.fabric.strategies.deepspeed as fabric_deepspeed
-    import lightning.pytorch.strategies.deepspeed as trainer_deepspeed
-    from lightning.fabric.accelerators import CPUAccelerator as FabricCPU
-    from lightning.pytorch.accelerators import CPUAccelerator
-
-    for module, cpu in ((trainer_deepspeed, CPUAccelerator), (fabric_deepspeed, FabricCPU)):
-        if not isinstance(module.CUDAAccelerator, tuple):
-            module.CUDAAccelerator = (module.CUDAAccelerator, cpu)
-
-
 def cpu_deepspeed_strategy(stage: int):
-    import torch
-    from lightning.pytorch.strategies import DeepSpeedStrategy
+    from stepsync.tools.tiny_lightning import cpu_deepspeed_strategy as shipped
 
-    lift_the_cuda_check()
-    return DeepSpeedStrategy(stage=stage, parallel_devices=[torch.device("cpu", 0)], process_group_backend="gloo")
+    return shipped(stage)
 
 
 def parameters(module):

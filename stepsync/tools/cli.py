@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from typing import Dict, List, Optional
 
@@ -123,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--samples", type=_positive, default=3, help="micro-batches per epoch (default 3)")
     demo.add_argument("--gas", type=_positive, default=2, help="gradient_accumulation_steps (default 2)")
     demo.add_argument("--epochs", type=_positive, default=2, help="epochs (default 2)")
+    demo.add_argument("--framework", choices=("trainer", "lightning"), default="trainer",
+                      help="the Trainer (default) or PyTorch Lightning (warn, then sync; its own process)")
     return parser
 
 
@@ -188,6 +191,18 @@ def run_inspect(args) -> int:
     return EXIT_ALIGNED if audit.ok else EXIT_DRIFTS
 
 
+def run_lightning_demo(args) -> int:
+    """The Lightning demo runs in a process of its own: this command line never imports Lightning."""
+    missing = [p for p in ("torch", "lightning", "deepspeed") if installed_version(p) is None]
+    if missing:
+        print(f"stepsync: error: stepsync demo --framework lightning needs {', '.join(missing)}: pip install "
+              "torch==2.13.0 (the CPU build), then pip install 'stepsync[lightning]' (or: bash scripts/demo.sh "
+              "--framework lightning)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return subprocess.call([sys.executable, "-m", "stepsync.tools.demo_lightning", "--samples", str(args.samples),
+                            "--gas", str(args.gas), "--epochs", str(args.epochs)])
+
+
 def version_line() -> str:
     found = ", ".join(f"{p} {installed_version(p) or 'not installed'}" for p in ("transformers", "accelerate",
                                                                                  "deepspeed", "torch"))
@@ -201,6 +216,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return run_check(args)
         if args.command == "inspect":
             return run_inspect(args)
+        if args.framework == "lightning":
+            return run_lightning_demo(args)
         missing = [p for p in ("torch", "transformers", "accelerate", "deepspeed") if installed_version(p) is None]
         if missing:  # the light install: the demo trains, so it needs the training packages
             print(f"stepsync: error: stepsync demo needs {', '.join(missing)}: {INSTALL_TRAINING}", file=sys.stderr)

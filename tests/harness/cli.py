@@ -5,5 +5,5 @@ import sys
 
 def stepsync(*args, **options):
     """``python -m stepsync ARGS`` in a child process (stdout and stderr captured as text)."""
-    return subprocess.run([sys.executable, "-m", "stepsync", *args], capture_output=True, text=True, timeout=120,
-                          **options)
+    options.setdefault("timeout", 120)
+    return subprocess.run([sys.executable, "-m", "stepsync", *args], capture_output=True, text=True, **options)

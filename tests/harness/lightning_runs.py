@@ -1,42 +1,14 @@
-"""Real Lightning + DeepSpeed runs on CPU for the tests, with an independent recorder and exact update weights.
-
-The model is linear with one parameter per sample and the loss ``w . x`` with one-hot ``x``: under plain SGD
-(lr 1) the change of dimension i in an update is minus the weight sample i had in it, so every update's
-micro-batch weights are read from the parameters. The recorder logs, after every batch, Lightning's
-``global_step``, the engine's ``global_steps``, the scheduler's steps and the sample of the batch.
-
-Lightning's DeepSpeed strategies refuse a CPU accelerator at one device check, an
-``isinstance(self.accelerator, CUDAAccelerator)`` that is the only use of that name in their modules in every
-release: :func:`lift_the_cuda_check` makes that name accept a CPU accelerator, and changes nothing else.
-"""
+"""Real Lightning + DeepSpeed runs and Fabric loops on CPU for the tests, with an independent recorder and exact
+update weights, on the shipped tiny run (stepsync/tools/tiny_lightning.py: the one-hot model, and the one device
+check lifted). The recorder logs, after every batch, Lightning's ``global_step``, the engine's ``global_steps``,
+the scheduler's steps and the sample of the batch; each update's micro-batch weights come from the parameters."""
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from stepsync.tools.tiny_lightning import fit_tiny, lift_the_cuda_check, one_hot_loader
 from stepsync.tools.tiny_run import cpu_distributed_env
-
-
-def lift_the_cuda_check() -> None:
-    """Let Lightning's DeepSpeed strategies (the Trainer's and Fabric's) run on a CPU accelerator."""
-    import lightning.fabric.strategies.deepspeed as fabric_deepspeed
-    import lightning.pytorch.strategies.deepspeed as trainer_deepspeed
-    from lightning.fabric.accelerators import CPUAccelerator as FabricCPU
-    from lightning.pytorch.accelerators import CPUAccelerator
-
-    for module, cpu in ((trainer_deepspeed, CPUAccelerator), (fabric_deepspeed, FabricCPU)):
-        if not isinstance(module.CUDAAccelerator, tuple):
-            module.CUDAAccelerator = (module.CUDAAccelerator, cpu)
-
-
-def strategy(stage: int, devices: int = 1):
-    import torch
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    lift_the_cuda_check()
-    return DeepSpeedStrategy(stage=stage, parallel_devices=[torch.device("cpu", i) for i in range(devices)],
-                             process_group_backend="gloo")
 
 
 @dataclass
@@ -81,30 +53,10 @@ def parameters(module):
 def run_lightning(samples: int, gas: int, epochs: int = 2, stage: int = 0, callback: Any = None,
                   deepspeed: bool = True, limit_train_batches=None, ckpt_path: Optional[str] = None,
                   default_root_dir: Optional[str] = None, devices: int = 1, **trainer_options) -> LightningRun:
-    """Fit the one-hot linear model on ``samples`` samples (batch 1, in order) with ``accumulate_grad_batches``."""
-    cpu_distributed_env()
+    """Fit the one-hot linear model on ``samples`` samples (batch 1, in order) with ``accumulate_grad_batches``,
+    the recorder first, then ``callback``, then any ``callbacks=`` given."""
     import lightning.pytorch as pl
     import torch
-
-    class OneHot(torch.utils.data.Dataset):
-        def __len__(self):
-            return samples
-
-        def __getitem__(self, index):
-            return torch.nn.functional.one_hot(torch.tensor(index), samples).float()
-
-    class Linear(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.zeros(samples))
-
-        def training_step(self, batch, batch_idx):
-            return (batch @ self.w).sum()
-
-        def configure_optimizers(self):
-            optimizer = torch.optim.SGD(self.parameters(), lr=1.0)
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     recording = LightningRecording()
 
@@ -125,23 +77,14 @@ def run_lightning(samples: int, gas: int, epochs: int = 2, stage: int = 0, callb
             recording.batches.append((trainer.current_epoch, batch_idx, int(batch.argmax()), trainer.global_step,
                                       engine_steps, configs[0].scheduler.last_epoch if configs else None))
 
-    options = dict(accelerator="cpu", max_epochs=epochs, accumulate_grad_batches=gas, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                   use_distributed_sampler=False, default_root_dir=default_root_dir or tempfile.mkdtemp())
-    if deepspeed:
-        options["strategy"] = strategy(stage, devices)
     if limit_train_batches is not None:
-        options["limit_train_batches"] = limit_train_batches
-    options.update(trainer_options)
-    callbacks = [Recorder()] + ([callback] if callback is not None else []) + list(options.pop("callbacks", []))
-    trainer = pl.Trainer(callbacks=callbacks, **options)
-    module = Linear()
-    result = LightningRun(trainer, module, recording, callback)
-    try:
-        trainer.fit(module, torch.utils.data.DataLoader(OneHot(), batch_size=1), ckpt_path=ckpt_path)
-    except Exception as exc:  # the caller asserts on it
-        result.error = exc
-    return result
+        trainer_options["limit_train_batches"] = limit_train_batches
+    if default_root_dir is not None:
+        trainer_options["default_root_dir"] = default_root_dir
+    callbacks = [Recorder()] + ([callback] if callback is not None else []) + list(trainer_options.pop("callbacks", []))
+    trainer, module, error = fit_tiny(samples, gas, epochs, stage, callbacks, deepspeed, devices, ckpt_path,
+                                      **trainer_options)
+    return LightningRun(trainer, module, recording, callback, error)
 
 
 @dataclass
@@ -187,7 +130,7 @@ def run_fabric(samples: int, gas: int, epochs: int = 2, stage: int = 0, policy: 
     module = Linear()
     model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1.0))
     record.engine = model._forward_module if deepspeed else None
-    data = torch.utils.data.DataLoader(torch.eye(samples), batch_size=1)
+    data = one_hot_loader(samples)
     try:
         record.watch = stepsync.lightning.watch(fabric, model, optimizer, policy, dataloader=data, console=False) \
             if policy else None

@@ -136,3 +136,13 @@ def test_a_resume_from_a_lightning_checkpoint_carries_the_report_on(tmp_path):
         == (2, 2)
     assert (report.trainer_steps, report.engine_steps) == (6, 6) and report.drift == 0
     assert [(r.trainer_steps, r.engine_steps) for r in report.forecast.epochs] == resumed.recording.epoch_ends
+
+
+def test_the_demo_shows_the_drift_then_the_fix_through_the_entry_point():
+    from harness.cli import stepsync
+
+    proc = stepsync("demo", "--framework", "lightning", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "policy 'warn': Lightning 2, engine 3; policy 'sync': Lightning 2, engine 2" in proc.stdout
+    said = " ".join(proc.stdout.split())  # the console wraps at its width
+    assert "weighs 1/4 of its update" in said and "1: 0.5, 2: 0.5" in said

@@ -1,4 +1,5 @@
 """The command line through its real entry point (a subprocess)."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -160,3 +161,10 @@ def test_check_forecasts_a_lightning_configuration():
 def test_check_refuses_realign_for_lightning_with_the_reason():
     proc = stepsync("check", "--framework", "lightning", "--samples", "3", "--gas", "2", "--policy", "realign")
     assert proc.returncode == 2 and "use --policy sync or drop_last" in proc.stderr
+
+
+@pytest.mark.reliability("bad_input")
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is not None, reason="names what a stack without it misses")
+def test_the_lightning_demo_without_lightning_names_the_install():
+    proc = stepsync("demo", "--framework", "lightning")
+    assert proc.returncode == 2 and "pip install 'stepsync[lightning]'" in proc.stderr
