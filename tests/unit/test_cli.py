@@ -168,3 +168,12 @@ def test_check_refuses_realign_for_lightning_with_the_reason():
 def test_the_lightning_demo_without_lightning_names_the_install():
     proc = stepsync("demo", "--framework", "lightning")
     assert proc.returncode == 2 and "pip install 'stepsync[lightning]'" in proc.stderr
+
+
+def test_check_of_a_lightning_configuration_imports_neither_lightning_nor_torch():
+    code = ("import sys, contextlib, io\nfrom stepsync.tools.cli import main\nwith contextlib.redirect_stdout(io.StringIO()):\n"
+            "    main(['check', '--framework', 'lightning', '--samples', '3', '--gas', '2', '--json'])\n"
+            "import stepsync\nprint(sorted(m for m in ('lightning', 'torch', 'deepspeed', 'transformers') "
+            "if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "[]", done.stderr
