@@ -140,9 +140,32 @@ def test_a_resume_from_a_lightning_checkpoint_carries_the_report_on(tmp_path):
 
 def test_the_demo_shows_the_drift_then_the_fix_through_the_entry_point():
     from harness.cli import stepsync
+    from harness.runs import child_env
 
-    proc = stepsync("demo", "--framework", "lightning", timeout=600)
+    proc = stepsync("demo", "--framework", "lightning", timeout=600, env=child_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "policy 'warn': Lightning 2, engine 3; policy 'sync': Lightning 2, engine 2" in proc.stdout
     said = " ".join(proc.stdout.split())  # the console wraps at its width
     assert "weighs 1/4 of its update" in said and "1: 0.5, 2: 0.5" in said
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_warn_trains_what_the_run_trains_without_stepsync(stage):
+    watched, _ = fit(7, 3, 2, stage, "warn")
+    alone = run_lightning(7, 3, 2, stage)
+    assert watched.recording.batches == alone.recording.batches
+    assert watched.recording.updates == alone.recording.updates
+    assert torch_equal(parameters(watched.module), parameters(alone.module))
+
+
+def test_the_metrics_go_through_lightnings_own_log():
+    result, report = fit(3, 2, 2, 0, "warn")
+    logged = result.trainer.callback_metrics
+    assert (float(logged["stepsync/lightning_steps"]), float(logged["stepsync/engine_steps"]),
+            float(logged["stepsync/drift"])) == (2.0, 2.0, 0.0)  # at Lightning's last update (epoch 2, batch 2)
+
+
+def torch_equal(a, b):
+    import torch
+
+    return torch.equal(a, b)
