@@ -90,6 +90,10 @@ def what_the_updates_miss(forecast: Forecast) -> List[str]:
     if forecast.wiped_micro_batches:
         facts.append(f"{framework}'s zero_grad clears {forecast.wiped_micro_batches} micro-batch(es) the engine is "
                      f"still accumulating (ZeRO-{forecast.plan.zero_stage}): trained, never applied")
+    shift = forecast.resume_shift
+    if shift is not None and not shift.exact:
+        facts.append(f"the resume on another layout skips {sum(shift.skipped.values())} and trains "
+                     f"{sum(shift.repeated.values())} sample(s) twice")
     if forecast.straddling and forecast.behaviour.zero_grad_at_its_windows:
         facts.append(f"the engine's windows cross into epoch(s) {_listed(forecast.straddling)}")
     return facts

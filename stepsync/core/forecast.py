@@ -12,6 +12,7 @@ from typing import List, Optional
 from . import explain, rules
 from .choices import Policy
 from .plan import RunPlan, planned_steps, resume_position, trainer_epoch_length, updates_per_epoch
+from .relayout import ResumeShift
 from .versions import EngineBoundary, PlannedSteps, StackBehaviour, TrainerRule
 
 
@@ -54,6 +55,7 @@ class Forecast:
         stopped_by_plan: the run ends because the Trainer's count reached its ``max_steps`` (not the data's end).
         micro_batch_weight: what each micro-batch weighs in its update (1/G when the loss is divided once).
         straddling: the 1-based epochs that begin inside an engine window the previous epoch opened.
+        resume_shift: the data a resume on another layout skips or trains twice (set by the adapter that saw it).
         wiped_micro_batches: micro-batches whose gradients the framework's own zero_grad clears while the engine
             still accumulates them (ZeRO 0, 1 and 3, when the windows differ): trained, never applied; those of the
             engine's last window, which never closes, are counted in ``unapplied_micro_batches`` instead.
@@ -71,6 +73,7 @@ class Forecast:
     micro_batch_weight: float = 1.0
     straddling: List[int] = field(default_factory=list)
     wiped_micro_batches: int = 0
+    resume_shift: Optional[ResumeShift] = None
 
     @property
     def trainer_steps(self) -> int:

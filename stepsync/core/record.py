@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 from .events import DriftEvent
+from .relayout import Layout
 
 RECORD_FILE = "stepsync_state.json"
 TRAINER_STATE = "trainer_state.json"
@@ -32,6 +33,9 @@ class ResumeRecord:
         unapplied_at_save: micro-batches in DeepSpeed's open window at the save; DeepSpeed saves neither
             them nor its micro-step counter, so a resume loses their gradients and restarts its windows.
         events, corrections, dropped_micro_batches: the report so far.
+        world_size, per_device_batch, gradient_accumulation_steps, examples, zero_stage: the layout the run was
+            saved on (data-parallel ranks, samples per micro-batch per rank, G, the dataset's length), which a
+            resume on another layout is compared with; None in a record written before they were kept.
     """
 
     policy: str
@@ -44,8 +48,23 @@ class ResumeRecord:
     events: List[DriftEvent] = field(default_factory=list)
     corrections: int = 0
     dropped_micro_batches: Dict[int, int] = field(default_factory=dict)
+    world_size: Optional[int] = None
+    per_device_batch: Optional[int] = None
+    gradient_accumulation_steps: Optional[int] = None
+    examples: Optional[int] = None
+    zero_stage: Optional[int] = None
 
     FORMAT = 1
+    LAYOUT = ("world_size", "per_device_batch", "gradient_accumulation_steps", "examples", "zero_stage")
+
+    @property
+    def layout(self) -> Optional[Layout]:
+        """The layout the run was saved on, when the record keeps it."""
+        world, batch, gas, examples = self.world_size, self.per_device_batch, self.gradient_accumulation_steps, \
+            self.examples
+        if world is None or batch is None or gas is None or examples is None:
+            return None
+        return Layout(world, batch, gas, examples, self.zero_stage)
 
     @property
     def drift(self) -> int:
@@ -74,6 +93,7 @@ class ResumeRecord:
                 events=[DriftEvent.from_dict(event) for event in data["events"]],
                 corrections=int(data["corrections"]),
                 dropped_micro_batches={int(k): int(v) for k, v in data["dropped_micro_batches"].items()},
+                **{name: None if data.get(name) is None else int(data[name]) for name in cls.LAYOUT},
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"a stepsync record with a missing or malformed field: {exc!r}") from None

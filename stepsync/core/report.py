@@ -8,6 +8,7 @@ from .choices import Policy
 from .events import DriftEvent
 from .forecast import Forecast
 from .record import ResumeRecord
+from .relayout import ResumeShift
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,8 @@ class SyncReport:
         epochs: both counts at every epoch end of this run (:class:`EpochCount`): the epochs and
             micro-batches really trained.
         counter: who keeps the first count: ``"Trainer"``, or ``"your loop"`` for :func:`stepsync.watch`.
+        resume_shift: when the run resumed on another layout than it was saved on (ranks, batch, G): the samples
+            the Trainer's resume skips and trains twice, per epoch, counted over all ranks.
     """
 
     policy: Policy
@@ -91,6 +94,7 @@ class SyncReport:
     loaded_checkpoint: Optional[LoadedCheckpoint] = None
     epochs: List[EpochCount] = field(default_factory=list)
     counter: str = "Trainer"
+    resume_shift: Optional[ResumeShift] = None
 
     @property
     def micro_batches(self) -> int:
@@ -119,6 +123,8 @@ class SyncReport:
                          + ("" if self.schedule_finished else f" ({self.missed_updates} not made)"))
         if self.epochs:
             lines.append(f"trained: {len(self.epochs)} epoch(s), {self.micro_batches} micro-batch(es)")
+        if self.resume_shift is not None and not self.resume_shift.exact:
+            lines.append(f"resumed on another layout: {self.resume_shift.message()}")
         lines += [f"drift event: {event.message()}" for event in self.events]
         lines += [f"note: {note}" for note in self.notes]
         if not self.active and self.inactive_reason:
@@ -140,10 +146,11 @@ class SyncReport:
     def to_dict(self) -> dict:
         """Every field but the forecast (``forecast.to_dict()`` gives it), JSON-ready, with the drift and the
         missed updates."""
-        data = asdict(replace(self, forecast=None, events=[], resumed_from=None))
+        data = asdict(replace(self, forecast=None, events=[], resumed_from=None, resume_shift=None))
         del data["forecast"]
         data.update(policy=self.policy.value, drift=self.drift, missed_updates=self.missed_updates,
                     events=[event.to_dict() for event in self.events],
                     dropped_micro_batches={str(k): v for k, v in self.dropped_micro_batches.items()},
-                    resumed_from=self.resumed_from.to_dict() if self.resumed_from else None)
+                    resumed_from=self.resumed_from.to_dict() if self.resumed_from else None,
+                    resume_shift=self.resume_shift.to_dict() if self.resume_shift else None)
         return data

@@ -104,6 +104,9 @@ def summary_view(report: SyncReport) -> Panel:
                      f"{report.engine_steps}: " + ("finished" if finished else
                                                    f"NOT finished ({report.missed_updates} not made)"),
                      style=None if finished else "yellow")
+    shift = report.resume_shift
+    if shift is not None and not shift.exact:
+        lines.append(f"\nresumed on another layout: {shift.message()}", style="bold red")
     if report.dropped_micro_batches:
         total = sum(report.dropped_micro_batches.values())
         lines.append(f"\ndrop_last left {total} micro-batch(es) untrained: {report.dropped_micro_batches}")
@@ -115,7 +118,8 @@ def summary_view(report: SyncReport) -> Panel:
     parts: List[Any] = [lines]
     if report.events:
         parts.append(events_table(report.events))
-    return Panel(Group(*parts), title="stepsync summary", border_style="red" if report.drift else "green")
+    troubled = report.drift or (shift is not None and not shift.exact)
+    return Panel(Group(*parts), title="stepsync summary", border_style="red" if troubled else "green")
 
 
 def audit_view(audit) -> Group:

@@ -21,6 +21,10 @@ def record_of(run: Run) -> ResumeRecord:
         events=list(report.events),
         corrections=report.corrections,
         dropped_micro_batches=dict(report.dropped_micro_batches),
+        **({} if run.layout is None else {"world_size": run.layout.world_size,
+                                          "per_device_batch": run.layout.per_device_batch,
+                                          "gradient_accumulation_steps": run.layout.gradient_accumulation_steps,
+                                          "examples": run.layout.examples, "zero_stage": run.layout.zero_stage}),
     )
 
 

@@ -13,16 +13,18 @@ from ..core.errors import StepDriftError, StepSyncConfigError
 from ..core.events import Cause, DriftEvent
 from ..core.forecast import Forecast
 from ..core.plan import RunPlan
+from ..core.relayout import Layout
 from ..core.report import EpochCount, SyncReport
 from ..core.versions import StackBehaviour
 from ..display import render
 from ..display.output import ConsoleOutput, logger
 from .deepspeed import engine_facts
 from .faults import stop_observing
+from .messages import Messages
 from .policies import AT_DRIFT, EVERY_MICRO_BATCH, PolicyAction, Steering, action_for
 
 
-class Run:
+class Run(Messages):
     """Where the run is, as stepsync counts it: epoch, position in the epoch, engine counters.
 
     Args:
@@ -39,6 +41,7 @@ class Run:
         action: what acts for the policy (default: the report's policy's own action).
         checks_every_micro_batch: compare both counts after every micro-batch, not only where the framework
             counted an update (an engine ahead of it shows between its updates).
+        layout: how the run splits its data (ranks, batch, G, dataset length), kept in every record.
 
     Attributes:
         epoch: 0-based epoch now running (``-1`` before the first epoch begins).
@@ -63,12 +66,13 @@ class Run:
     __slots__ = ("position", "engine", "engine_steps_seen", "since_engine_update", "steers", "observing", "report",
                  "last_drift", "trainer_steps_seen", "action", "engine_at_last_update", "engine_moved_in_window",
                  "facts", "behaviour", "n", "g", "output", "counter", "is_main", "plan", "epoch", "start_epoch", "skip",
-                 "done_before_epoch", "t_before_epoch", "remedy", "known_cause", "checks_every_micro_batch")
+                 "done_before_epoch", "t_before_epoch", "remedy", "known_cause", "checks_every_micro_batch", "layout")
 
     def __init__(self, engine: Any, behaviour: StackBehaviour, n: Optional[int], g: int, report: SyncReport,
                  output: ConsoleOutput, counter: str = "Trainer global_step", start_epoch: int = 0, skip: int = 0,
                  is_main: bool = True, plan: Optional[RunPlan] = None,
-                 action: Optional[PolicyAction] = None, checks_every_micro_batch: bool = False) -> None:
+                 action: Optional[PolicyAction] = None, checks_every_micro_batch: bool = False,
+                 layout: Optional[Layout] = None) -> None:
         self.engine = engine
         self.facts = engine_facts(engine)
         self.behaviour = behaviour
@@ -97,53 +101,7 @@ class Run:
         self.known_cause: Optional[Cause] = None
         self.observing = True
         self.checks_every_micro_batch = checks_every_micro_batch
-
-    # ------------------------------------------------------------ messages
-
-    def note(self, text: str) -> None:
-        self.report.notes.append(text)
-        if self.is_main:
-            logger.info("%s", text)
-
-    def warn(self, text: str) -> None:
-        self.report.notes.append(text)
-        if self.is_main:
-            logger.warning("%s", text)
-
-    def error(self, text: str) -> None:
-        self.report.notes.append(text)
-        logger.error("%s", text)
-
-    def state_what_differs(self, whose_g: str) -> None:
-        """Say once, at the start, what makes this run differ from what the forecast assumes."""
-        if self.n is None:
-            self.note("the train dataloader has no length: no forecast, and 'sync'/'drop_last' cannot plan windows")
-        if self.facts.gradient_accumulation_steps not in (None, self.g):
-            self.error(f"the engine's gradient_accumulation_steps={self.facts.gradient_accumulation_steps} differs "
-                       f"from {whose_g} {self.g}: fix the DeepSpeed config (use \"auto\")")
-        if not self.facts.managed_accumulation:
-            self.note("DeepSpeed's managed_gradient_accumulation is false: the engine updates at every step() call, "
-                      "not at its own boundaries; the forecast assumes managed accumulation and will differ")
-        for caveat in self.behaviour.caveats:
-            self.note(caveat)
-
-    def announce(self, predicted: Forecast) -> None:
-        """The forecast at the start: its verdict, its table, and an early end said as a warning."""
-        self.report.forecast = predicted
-        if self.is_main:
-            logger.info("forecast: %s", predicted.verdict())
-            self.output.show(render.forecast_view, predicted, logging.INFO)
-        early = predicted.ends_early()
-        if early:
-            self.warn(early)
-
-    def summarize(self) -> None:
-        """The summary at the end, once."""
-        if self.is_main:
-            report = self.report
-            logger.info("%s counted %d updates, engine made %d (drift %+d)", report.counter,
-                        report.trainer_steps, report.engine_steps, report.drift)
-            self.output.show(render.summary_view, report, logging.INFO)
+        self.layout = layout
 
     # ------------------------------------------------------------ the policy's decisions
 

@@ -143,14 +143,17 @@ class TinyRun:
 
 def run_tiny(output_dir: str, samples: int, gas: int, epochs: float = 2, max_steps: int = -1, stage: int = 0,
              callbacks: Sequence[Any] = (), deepspeed: Any = True, resume_from_checkpoint: Optional[str] = None,
-             trainer_class=None, on_trainer=None, eval_samples: int = 0, model=None, **overrides) -> TinyRun:
-    """Train the tiny model (or ``model``) once with ``callbacks``; an exception is kept, not raised."""
+             trainer_class=None, on_trainer=None, eval_samples: int = 0, model=None, train_dataset=None,
+             **overrides) -> TinyRun:
+    """Train the tiny model (or ``model``, on ``train_dataset`` or ``samples`` fixed sequences) once with
+    ``callbacks``; an exception is kept, not raised."""
     cpu_distributed_env()
     from transformers import Trainer
 
     args = training_args(output_dir, gas, epochs, max_steps, stage, deepspeed, **overrides)
     trainer = (trainer_class or Trainer)(
-        model=model if model is not None else tiny_model(), args=args, train_dataset=TinyDataset(samples),
+        model=model if model is not None else tiny_model(), args=args,
+        train_dataset=train_dataset if train_dataset is not None else TinyDataset(samples),
         eval_dataset=TinyDataset(eval_samples, seed=2) if eval_samples else None, callbacks=list(callbacks))
     if on_trainer is not None:
         on_trainer(trainer)

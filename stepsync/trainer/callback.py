@@ -103,6 +103,7 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
         self._state: Any = None
         self._trainer: Any = None
         self._leader: Optional[StepSyncCallback] = None
+        self._extra_metrics: Optional[dict] = None
 
     @property
     def report(self) -> SyncReport:
@@ -150,6 +151,10 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
         except Exception as exc:
             failure = exc
         self._agree_on_the_start(args, state, before, failure)
+        shift = self.report.resume_shift
+        self._extra_metrics = None if shift is None or shift.exact else {
+            "stepsync/samples_skipped": sum(shift.skipped.values()),
+            "stepsync/samples_repeated": sum(shift.repeated.values())}
         trainer_facts.run_after_the_flow_callback(trainer, self)
 
     def _agree_on_the_start(self, args, state, before: tuple, failure: Optional[Exception]) -> None:
@@ -190,7 +195,7 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
         if run is None or logs is None or not run.observing:
             return None
         try:  # guarded here, not by guarded(): one call less
-            trainer_facts.add_metrics(state, logs, run.engine_steps_seen)
+            trainer_facts.add_metrics(state, logs, run.engine_steps_seen, self._extra_metrics)
         except Exception as exc:
             return self._failed("on_log", exc, False)
         return None

@@ -2,12 +2,15 @@
 included), the forecast, TRL's generation buffer, and one agreement across ranks."""
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Tuple
 
 from ..core.choices import Policy
 from ..core.errors import StepSyncConfigError
 from ..core.forecast import forecast
 from ..core.plan import RunPlan, resume_position
+from ..core.record import ResumeRecord
+from ..core.relayout import Layout, ResumeShift, position, resume_shift
 from ..core.report import SyncReport
 from ..core.versions import StackBehaviour
 from ..display.output import ConsoleOutput
@@ -32,6 +35,9 @@ def start_run(trainer: Any, args: Any, state: Any, engine: Any, train_dataloader
         n = None
     g = args.gradient_accumulation_steps
     record, record_problem = trainer_facts.saved_record(state, trainer_facts.resume_checkpoint(trainer))
+    examples = trainer_facts.examples_of(trainer, train_dataloader)
+    layout = trainer_facts.layout_of(args, engine, examples)
+    shift = None if record is None else relayout_of(record, layout, state.global_step, behaviour, args)
     resume_steps = None
     if record is not None and record.resume_steps == state.global_step != record.trainer_steps:
         # The checkpoint holds the data position's count for the Trainer's resume; restore the real one.
@@ -41,10 +47,10 @@ def start_run(trainer: Any, args: Any, state: Any, engine: Any, train_dataloader
     start_epoch, skip = 0, 0
     if n is not None:
         plan = RunPlan(n, g, args.num_train_epochs, args.max_steps, state.global_step, engine.global_steps,
-                       resume_steps, trainer_facts.examples_of(trainer, train_dataloader))
+                       resume_steps, examples)
         start_epoch, skip = resume_position(plan, behaviour)
     run = Run(engine, behaviour, n, g, report, output, start_epoch=start_epoch, skip=skip, is_main=is_main,
-              plan=plan)
+              plan=plan, layout=layout)
     serve_a_generation_buffer(args, run, report.policy)
     keep(run)
     report.active = True
@@ -52,6 +58,15 @@ def start_run(trainer: Any, args: Any, state: Any, engine: Any, train_dataloader
     run.state_what_differs("the Trainer's")
     if record_problem:
         run.error(f"{record_problem}; the report covers this run only")
+    if shift is not None:
+        report.resume_shift = shift
+        if shift.exact:
+            run.note(shift.message())
+        elif report.policy is Policy.RAISE:
+            raise StepSyncConfigError(f"{shift.message()}; policy 'raise' stops every rank before the first "
+                                      "micro-batch")
+        else:
+            run.warn(shift.message())
     report.trainer_steps, report.engine_steps = state.global_step, engine.global_steps
     report.inherited_drift = report.drift
     steering = run.begin()
@@ -59,6 +74,7 @@ def start_run(trainer: Any, args: Any, state: Any, engine: Any, train_dataloader
         state.max_steps = steering.max_steps
     if plan is not None:
         predicted = forecast(plan, behaviour, report.policy)
+        predicted.resume_shift = shift
         if predicted.planned_steps != report.planned_steps:
             run.note(f"the Trainer planned max_steps={report.planned_steps}, the forecast "
                      f"{predicted.planned_steps}: the forecast may be off for this release")
@@ -67,6 +83,20 @@ def start_run(trainer: Any, args: Any, state: Any, engine: Any, train_dataloader
         continue_from(run, record)
     run.check(state.global_step, "train_begin", REUSED_ENGINE_REMEDY if state.global_step == 0 else INHERITED_REMEDY)
     return run
+
+
+def relayout_of(record: ResumeRecord, layout: Optional[Layout], global_step: int, behaviour: StackBehaviour,
+                args: Any) -> Optional[ResumeShift]:
+    """What resuming ``record``'s checkpoint on ``layout`` does to the data, when the layouts differ; ``global_step``
+    is the count the Trainer placed the resume from."""
+    saved = record.layout
+    if saved is None or layout is None or saved.examples != layout.examples:
+        return None  # a record without its layout, or another dataset: nothing to compare
+    if (saved.world_size, saved.per_device_batch, saved.gradient_accumulation_steps) == (
+            layout.world_size, layout.per_device_batch, layout.gradient_accumulation_steps):
+        return None
+    stood = position(saved, record.next_epoch, record.next_skip)
+    return resume_shift(saved, layout, global_step, stood, behaviour.planned_steps, math.ceil(args.num_train_epochs))
 
 
 def serve_a_generation_buffer(args: Any, run: Run, policy: Policy) -> None:

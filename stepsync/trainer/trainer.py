@@ -12,6 +12,7 @@ from typing import Any, List, Optional, Tuple
 
 from ..core.choices import Policy
 from ..core.record import ResumeRecord, load_record, record_in_trainer_state, save_record
+from ..core.relayout import Layout
 from ..engine.deepspeed import is_engine
 from ..engine.policies import Steering
 from ..engine.resume import record_of
@@ -131,6 +132,16 @@ def find_engine(trainer: Any) -> Optional[Any]:
     return None
 
 
+def layout_of(args: Any, engine: Any, examples: Optional[int]) -> Optional[Layout]:
+    """How this run splits its data: data-parallel ranks, per-device batch, G, the dataset's length, ZeRO stage."""
+    if examples is None:
+        return None
+    stage = getattr(engine, "zero_optimization_stage", None)
+    world = getattr(engine, "dp_world_size", None) or args.world_size
+    return Layout(int(world), args.per_device_train_batch_size, args.gradient_accumulation_steps, examples,
+                  stage() if callable(stage) else None)
+
+
 def uses_deepspeed(trainer: Any, args: Any) -> bool:
     """Whether the Trainer was asked to use DeepSpeed."""
     return bool(getattr(args, "deepspeed", None)) or bool(getattr(trainer, "is_deepspeed_enabled", False))
@@ -162,14 +173,15 @@ def steer(trainer: Any, steering: Steering, args: Any, state: Any, control: Any,
 METRIC_KEYS = ("stepsync/trainer_steps", "stepsync/engine_steps", "stepsync/drift")
 
 
-def add_metrics(state: Any, logs: dict, engine_steps: int) -> None:
+def add_metrics(state: Any, logs: dict, engine_steps: int, extra: Optional[dict] = None) -> None:
     """Add both counts and the drift to the record ``logs`` the Trainer is logging, and to its copy in
     ``log_history`` (the Trainer appended it there before calling the callbacks). ``engine_steps``: the count
-    after the last micro-batch, not a best checkpoint's that ``load_best_model_at_end`` loaded since."""
+    after the last micro-batch, not a best checkpoint's that ``load_best_model_at_end`` loaded since; ``extra``: more
+    metrics (a resume's shift)."""
     last = state.log_history[-1] if state.log_history else {}
     in_history = logs.items() <= last.items()
     metrics = {METRIC_KEYS[0]: state.global_step, METRIC_KEYS[1]: engine_steps,
-               METRIC_KEYS[2]: state.global_step - engine_steps}
+               METRIC_KEYS[2]: state.global_step - engine_steps, **(extra or {})}
     logs.update(metrics)
     if in_history and last:
         last.update(metrics)

@@ -1,0 +1,173 @@
+"""A resume on another layout (data-parallel ranks, per-device batch, G): where the Trainer lands in the data,
+where the saved run really stood, and the samples it will skip or train twice. Pure arithmetic.
+
+An epoch's samples come in one global order on every layout (the sampler does not depend on the ranks): its
+k-th micro-batch on W ranks of batch b covers positions ``[k*W*b, (k+1)*W*b)`` of that order. The Trainer
+places a resume with its own arithmetic on the new layout (``epochs = global_step // U'``, then
+``(global_step % U') * G'`` micro-batches skipped, U' its updates per epoch there), which nothing corrects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from . import rules
+from .versions import PlannedSteps
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one run splits its data: data-parallel ranks, per-device batch, G, and the dataset's length.
+
+    Attributes:
+        world_size: data-parallel ranks (W).
+        per_device_batch: samples per micro-batch on one rank (b).
+        gradient_accumulation_steps: G.
+        examples: samples in an epoch (the dataset's length, D).
+        zero_stage: DeepSpeed's ZeRO stage, when known.
+    """
+
+    world_size: int
+    per_device_batch: int
+    gradient_accumulation_steps: int
+    examples: int
+    zero_stage: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "per_device_batch", "gradient_accumulation_steps", "examples"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def micro_batches_per_epoch(self) -> int:
+        """A rank's micro-batches per epoch: the batches of the epoch, shared out, the last rounds padded."""
+        batches = -(-self.examples // self.per_device_batch)
+        return -(-batches // self.world_size)
+
+    @property
+    def samples_per_micro_batch(self) -> int:
+        """Positions of the epoch's order that one micro-batch of every rank covers."""
+        return self.world_size * self.per_device_batch
+
+    @property
+    def samples_per_update(self) -> int:
+        return self.samples_per_micro_batch * self.gradient_accumulation_steps
+
+    def describe(self) -> str:
+        return (f"{self.world_size} rank(s) x batch {self.per_device_batch} x G={self.gradient_accumulation_steps} "
+                f"({self.samples_per_update} samples per update)")
+
+
+@dataclass
+class ResumeShift:
+    """What a resume on ``resumed`` does to the data, against where the run on ``saved`` stood.
+
+    Attributes:
+        global_step: the count the Trainer placed the resume from.
+        stood: (0-based epoch, sample position) where the saved run's next micro-batch was.
+        lands: (0-based epoch, sample position) where the Trainer resumes on the new layout.
+        skipped, repeated: per 1-based epoch, samples never trained and trained twice.
+        fixes: layouts on as many ranks that land exactly, each said as the change to make.
+    """
+
+    saved: Layout
+    resumed: Layout
+    global_step: int
+    stood: Tuple[int, int]
+    lands: Tuple[int, int]
+    skipped: Dict[int, int] = field(default_factory=dict)
+    repeated: Dict[int, int] = field(default_factory=dict)
+    fixes: List[str] = field(default_factory=list)
+
+    @property
+    def exact(self) -> bool:
+        return not self.skipped and not self.repeated
+
+    def message(self) -> str:
+        """What the Trainer will do, and how to resume exactly."""
+        if self.exact:
+            return (f"the run resumes on another layout ({self.resumed.describe()}; saved on {self.saved.describe()}) "
+                    "and lands exactly where it stood")
+        what = []
+        if self.skipped:
+            what.append(f"skip {sum(self.skipped.values())} sample(s) ({_per_epoch(self.skipped)}) that are never "
+                        "trained")
+        if self.repeated:
+            what.append(f"train {sum(self.repeated.values())} sample(s) twice ({_per_epoch(self.repeated)})")
+        fix = ("; resume with " + ", or ".join(self.fixes)) if self.fixes else (
+            f"; no layout on {self.resumed.world_size} rank(s) lands there (the Trainer places a resume by whole "
+            "updates of the new layout): resume on the saved layout, or accept the shift")
+        return (f"checkpoint saved on {self.saved.describe()}, resumed on {self.resumed.describe()}: the Trainer "
+                f"places the resume at epoch {self.lands[0] + 1}, sample {self.lands[1]} of its order, while the run "
+                f"stood at epoch {self.stood[0] + 1}, sample {self.stood[1]}; it will {' and '.join(what)}{fix}")
+
+    def to_dict(self) -> dict:
+        return {"saved": self.saved.__dict__, "resumed": self.resumed.__dict__, "global_step": self.global_step,
+                "stood": list(self.stood), "lands": list(self.lands),
+                "skipped": {str(k): v for k, v in self.skipped.items()},
+                "repeated": {str(k): v for k, v in self.repeated.items()}, "fixes": list(self.fixes)}
+
+
+def _per_epoch(counts: Dict[int, int]) -> str:
+    return ", ".join(f"{n} of epoch {epoch}" for epoch, n in sorted(counts.items()))
+
+
+def landing(layout: Layout, global_step: int, planned: PlannedSteps) -> Tuple[int, int]:
+    """(0-based epoch, sample position) where the Trainer resumes on ``layout`` from ``global_step``."""
+    n, g = layout.micro_batches_per_epoch, layout.gradient_accumulation_steps
+    per_epoch = rules.planned_updates_per_epoch(planned.value, n, g)
+    skip = (global_step % per_epoch) * g if per_epoch else 0
+    return (global_step // per_epoch if per_epoch else 0), min(skip * layout.samples_per_micro_batch, layout.examples)
+
+
+def position(layout: Layout, epoch: int, micro_batches: int) -> Tuple[int, int]:
+    """(0-based epoch, sample position) of a run on ``layout`` after ``micro_batches`` of ``epoch``; the end of an
+    epoch is the start of the next."""
+    at = micro_batches * layout.samples_per_micro_batch
+    return (epoch + 1, 0) if at >= layout.examples else (epoch, at)
+
+
+def resume_shift(saved: Layout, resumed: Layout, global_step: int, stood: Tuple[int, int], planned: PlannedSteps,
+                 epochs: Optional[int] = None) -> ResumeShift:
+    """The shift of a resume on ``resumed`` from a checkpoint at ``global_step`` saved while the run on ``saved``
+    stood at ``stood`` (0-based epoch, sample position); ``epochs``: the run's epochs (what lies past them is never
+    trained either way)."""
+    lands = landing(resumed, global_step, planned)
+    shift = ResumeShift(saved, resumed, global_step, stood, lands)
+    span = _between(stood, lands, saved.examples) if lands > stood else _between(lands, stood, saved.examples)
+    span = {epoch: n for epoch, n in span.items() if epochs is None or epoch <= epochs}
+    if lands > stood:
+        shift.skipped = span
+    elif lands < stood:
+        shift.repeated = span
+    if not shift.exact:
+        shift.fixes = _fixes(saved, resumed, global_step, stood, planned)
+    return shift
+
+
+def _between(start: Tuple[int, int], end: Tuple[int, int], examples: int) -> Dict[int, int]:
+    """Samples per 1-based epoch from position ``start`` up to ``end`` (exclusive)."""
+    counts = {}
+    for epoch in range(start[0], end[0] + 1):
+        low = start[1] if epoch == start[0] else 0
+        high = end[1] if epoch == end[0] else examples
+        if high > low:
+            counts[epoch + 1] = high - low
+    return counts
+
+
+def _fixes(saved: Layout, resumed: Layout, global_step: int, stood: Tuple[int, int],
+           planned: PlannedSteps) -> List[str]:
+    """The changes on ``resumed``'s ranks that keep the global batch and land exactly where the run stood."""
+    found = []
+    w, b, g, keep = resumed.world_size, resumed.per_device_batch, resumed.gradient_accumulation_steps, \
+        saved.samples_per_update
+    candidates = ((b, keep // (w * b), f"gradient_accumulation_steps={keep // (w * b)}"),
+                  (keep // (w * g), g, f"per_device_train_batch_size={keep // (w * g)}"))
+    for batch, gas, change in candidates:
+        if batch < 1 or gas < 1 or w * batch * gas != keep or change in found:
+            continue
+        if landing(Layout(w, batch, gas, saved.examples, resumed.zero_stage), global_step, planned) == stood:
+            found.append(change)
+    return found
