@@ -39,6 +39,10 @@ class CheckpointAudit:
         record: stepsync's record, when the run had stepsync.
         node_local: the folder a node other than node 0 saved for itself (``save_on_each_node=True``): DeepSpeed
             wrote no ``latest`` there, the tag comes from its ``global_stepM/``.
+        zero_stage, saved_world_size: the ZeRO stage and the data-parallel ranks the DeepSpeed files were saved
+            with, read from their names and the pickle's opcodes (None when they do not say).
+        universal: a universal copy (``global_stepM_universal/``, DeepSpeed's ``ds_to_universal``) is there.
+        num_train_epochs: the epochs the run planned (``trainer_state.json``).
         mismatches: counts that disagree; problems: missing, partial or corrupt files.
     """
 
@@ -51,6 +55,10 @@ class CheckpointAudit:
     tag_folders: List[int] = field(default_factory=list)
     record: Optional[ResumeRecord] = None
     node_local: bool = False
+    zero_stage: Optional[int] = None
+    saved_world_size: Optional[int] = None
+    universal: bool = False
+    num_train_epochs: Optional[int] = None
     mismatches: List[str] = field(default_factory=list)
     problems: List[str] = field(default_factory=list)
 
@@ -144,10 +152,12 @@ def _read_trainer_state(audit: CheckpointAudit) -> None:
         audit.problems.append(f"{audit.name} has no {checkpoint.TRAINER_STATE}: the save is incomplete")
         return
     try:
-        step = checkpoint.read_json(state_path, checkpoint.TRAINER_STATE).get("global_step")
+        state = checkpoint.read_json(state_path, checkpoint.TRAINER_STATE)
     except ValueError as exc:
         audit.problems.append(f"{audit.name}: {exc}")
         return
+    step, epochs = state.get("global_step"), state.get("num_train_epochs")
+    audit.num_train_epochs = epochs if isinstance(epochs, int) and not isinstance(epochs, bool) else None
     if isinstance(step, bool) or not isinstance(step, int):
         audit.problems.append(f"{audit.name}: {checkpoint.TRAINER_STATE} has no integer global_step")
         return
@@ -238,9 +248,11 @@ def _read_tag_folder(audit: CheckpointAudit, entries: List[str], verify_data: bo
     # The data-parallel ranks whose files a resume needs: those that saved here (their RNG files), else the
     # world size the files recorded, else every rank a file names.
     ranks = _rng_ranks(entries)
+    world = next((v for v in (int_in_pickle(path, "dp_world_size") for path in readable) if v), None)
+    named = {int(m.group(1)) for m in model + optim if m.group(1) is not None}
+    audit.zero_stage, audit.saved_world_size = stage, world or (len(named) if named else None)
+    audit.universal = os.path.isdir(os.path.join(audit.path, f"{tag}_universal"))
     if not ranks:
-        world = next((v for v in (int_in_pickle(path, "dp_world_size") for path in readable) if v), None)
-        named = {int(m.group(1)) for m in model + optim if m.group(1) is not None}
         ranks = set(range(world)) if world else named or {0}
     expected = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in sorted(ranks)] if stage == 3 else \
         sorted({m.group(0) for m in model if m.group(1) is None} or {"mp_rank_00_model_states.pt"})

@@ -20,6 +20,7 @@ from ..display.render import audit_view, forecast_view
 from .audit import audit_output_dir
 from .config import deepspeed_config_of, from_training_args, resolve
 from .demo import run_demo
+from .resume_audit import resume_on
 
 EXIT_ALIGNED, EXIT_DRIFTS, EXIT_BAD_INPUT = 0, 1, 2
 LIGHTNING_REFUSED = {Policy.REALIGN: "policy 'realign' cannot apply to Lightning: its global_step is derived from "
@@ -114,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--quick", action="store_true",
                          help="check each DeepSpeed file's structure, not every tensor's checksum (which reads "
                               "every byte of the checkpoint)")
+    inspect.add_argument("--world-size", type=_positive, default=None,
+                         help="say whether each checkpoint resumes on this many data-parallel ranks: DeepSpeed's "
+                              "refusal and its fix, and the samples the Trainer would skip or train twice")
+    inspect.add_argument("--batch-size", type=_positive, default=None,
+                         help="with --world-size: the resume's per-device batch (default: as saved)")
+    inspect.add_argument("--gas", type=_positive, default=None,
+                         help="with --world-size: the resume's gradient_accumulation_steps (default: as saved)")
     demo = commands.add_parser(
         "demo", help="a real Trainer + DeepSpeed run on CPU, live",
         description="A tiny GPT-2 built from a config, trained by the real Trainer and DeepSpeed on CPU.",
@@ -184,11 +192,21 @@ def run_check(args) -> int:
 
 def run_inspect(args) -> int:
     audit = audit_output_dir(args.output_dir, verify_data=not args.quick)  # a checkpoint-N folder: that one only
+    resumes = []
+    if args.world_size is not None:
+        planned = behaviour_of(Stack(installed_version("transformers") or MEASURED_TRANSFORMERS[-1])).planned_steps
+        resumes = [resume_on(item, args.world_size, planned, args.batch_size, args.gas) for item in audit.checkpoints]
+    elif args.batch_size is not None or args.gas is not None:
+        raise ValueError("--batch-size and --gas describe a resume: give --world-size too")
     if args.json:
-        print(json.dumps(audit.to_dict()))
+        print(json.dumps({**audit.to_dict(), **({"resume_on": [r.to_dict() for r in resumes]} if resumes else {})}))
     else:
-        Console().print(audit_view(audit))
-    return EXIT_ALIGNED if audit.ok else EXIT_DRIFTS
+        console = Console()
+        console.print(audit_view(audit))
+        for resume in resumes:
+            for line in resume.lines():
+                console.print(line, style="green" if resume.works else "bold yellow", highlight=False)
+    return EXIT_ALIGNED if audit.ok and all(r.works for r in resumes) else EXIT_DRIFTS
 
 
 def run_lightning_demo(args) -> int:

@@ -4,6 +4,9 @@ stepsync), the Trainer's count before it, and stepsync's report.
 
     python -m torch.distributed.run --nproc_per_node W tests/multiprocess/relayout_runs.py OUT NAME SAMPLES G EPOCHS
         POLICY [CHECKPOINT]
+
+STEPSYNC_ZERO_STAGE (default 0) sets the ZeRO stage; STEPSYNC_LOAD_UNIVERSAL=1 resumes from DeepSpeed's universal
+copy of the checkpoint ("checkpoint": {"load_universal": true} in the DeepSpeed config).
 """
 import json
 import os
@@ -48,10 +51,15 @@ def main(out, name, samples, gas, epochs, policy, checkpoint=None):
             trained.append([self.recorded_epoch, self.state.global_step, inputs["input_ids"][:, 0].tolist()])
             return super().training_step(model, inputs, *args, **kwargs)
 
+    from stepsync.tools.tiny_run import deepspeed_config
+
+    config = deepspeed_config(int(os.environ.get("STEPSYNC_ZERO_STAGE", "0")))
+    if os.environ.get("STEPSYNC_LOAD_UNIVERSAL") == "1":
+        config["checkpoint"] = {"load_universal": True}
     callback = StepSyncCallback(policy, console=False)
     result = run_tiny(os.path.join(out, name), samples, gas, epochs, callback=callback, trainer_class=Recording,
                       train_dataset=Indexed(samples), save_strategy="steps", save_steps=1,
-                      resume_from_checkpoint=checkpoint)
+                      resume_from_checkpoint=checkpoint, deepspeed=config)
     report = callback.report
     rank = int(os.environ.get("RANK", 0))
     with open(os.path.join(out, f"{name}-{rank}.json"), "w") as handle:
