@@ -22,7 +22,7 @@ import time
 POLICIES = ("warn", "raise", "sync", "realign", "drop_last")
 PER_MICRO_BATCH = ("on_substep_end", "on_step_end", "on_log")
 ONCE_OR_PER_EPOCH = ("on_train_begin", "on_epoch_begin", "on_epoch_end", "on_train_end")
-GOALS = {"hook_median_us": 2.0, "throughput_ratio": 0.995, "check_s": 0.3, "forecast_ms": 10.0}
+GOALS = {"hook_median_us": 2.0, "throughput_ratio": 0.995, "check_s": 0.3, "forecast_ms": 10.0, "resume_check_ms": 50.0}
 
 
 class TimedCallback:
@@ -225,6 +225,30 @@ def measure_forecast(repeats: int):
     return statistics.median(times) * 1000, max(times) * 1000, result
 
 
+def measure_resume_check(repeats: int):
+    """The check a resume on another layout makes once at the start: the record read from its checkpoint, then the
+    Trainer's resume arithmetic on the new layout (median ms)."""
+    import json
+
+    from stepsync.core.record import ResumeRecord, load_record
+    from stepsync.core.relayout import Layout
+    from stepsync.core.versions import PlannedSteps
+
+    folder = tempfile.mkdtemp()
+    record = ResumeRecord("warn", 6000, 6000, 6000, 2, 0, world_size=8, per_device_batch=4,
+                          gradient_accumulation_steps=16, examples=10**7, zero_stage=2)
+    with open(os.path.join(folder, "trainer_state.json"), "w") as handle:
+        json.dump({"global_step": 6000, "stateful_callbacks": {"StepSyncCallback": {
+            "args": {}, "attributes": {"saved_record": record.to_dict()}}}}, handle)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        loaded = load_record(folder)
+        shift = loaded.resume_on(Layout(6, 4, 16, 10**7, 2), 6000, PlannedSteps.CEIL, 3)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000, shift
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=400, help="micro-batches per run (default 400)")
@@ -297,6 +321,13 @@ def main(argv=None) -> int:
           f"{worst_ms:.3f} ms (Trainer {result.trainer_steps}, engine {result.engine_steps})")
     if median_ms > GOALS["forecast_ms"]:
         failures.append(f"forecast {median_ms:.3f} ms > {GOALS['forecast_ms']} ms")
+
+    resume_ms, shift = measure_resume_check(50)
+    print(f"\n(e) the resume-on-another-layout check (record read, the Trainer's arithmetic, once per run): median "
+          f"{resume_ms:.3f} ms; 8 ranks -> 6 ranks skips {sum(shift.skipped.values())} and repeats "
+          f"{sum(shift.repeated.values())} sample(s)")
+    if resume_ms > GOALS["resume_check_ms"]:
+        failures.append(f"resume check {resume_ms:.3f} ms > {GOALS['resume_check_ms']} ms")
 
     print("\ngoals: " + ("all met" if not failures else "MISSED: " + "; ".join(failures)))
     return 1 if failures else 0

@@ -116,6 +116,7 @@ def forecast_dict(forecast: Forecast) -> dict:
         "micro_batch_weight": forecast.micro_batch_weight,
         "straddling": list(forecast.straddling),
         "wiped_micro_batches": forecast.wiped_micro_batches,
+        "resume_shift": forecast.resume_shift.to_dict() if forecast.resume_shift else None,
         "stack": {
             **asdict(forecast.behaviour.stack),
             "framework": forecast.behaviour.framework,

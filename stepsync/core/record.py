@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 from .events import DriftEvent
-from .relayout import Layout
+from .relayout import Layout, ResumeShift, position, resume_shift
+from .versions import PlannedSteps
 
 RECORD_FILE = "stepsync_state.json"
 TRAINER_STATE = "trainer_state.json"
@@ -65,6 +66,20 @@ class ResumeRecord:
         if world is None or batch is None or gas is None or examples is None:
             return None
         return Layout(world, batch, gas, examples, self.zero_stage)
+
+    def resume_on(self, layout: Layout, global_step: int, planned: PlannedSteps,
+                  epochs: Optional[int] = None) -> Optional[ResumeShift]:
+        """What resuming this checkpoint on ``layout`` does to the data (``global_step``: the count the Trainer
+        places the resume from), or None when the layouts are alike or cannot be compared (a record without its
+        layout, another dataset)."""
+        saved = self.layout
+        if saved is None or saved.examples != layout.examples:
+            return None
+        if (saved.world_size, saved.per_device_batch, saved.gradient_accumulation_steps) == (
+                layout.world_size, layout.per_device_batch, layout.gradient_accumulation_steps):
+            return None
+        return resume_shift(saved, layout, global_step, position(saved, self.next_epoch, self.next_skip), planned,
+                            epochs)
 
     @property
     def drift(self) -> int:

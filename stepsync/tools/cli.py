@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from typing import Dict, List, Optional
@@ -14,7 +15,8 @@ from ..core.choices import Policy
 from ..core.forecast import forecast
 from ..core.lightning_versions import MEASURED_LIGHTNING, LightningStack, lightning_behaviour_of
 from ..core.plan import RunPlan
-from ..core.record import read_json
+from ..core.record import TRAINER_STATE, load_record, read_json
+from ..core.relayout import Layout
 from ..core.versions import MEASURED_TRANSFORMERS, NEWEST, Stack, behaviour_of, installed_version
 from ..display.render import audit_view, forecast_view
 from .audit import audit_output_dir
@@ -101,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
                        help="DeepSpeed's ZeRO stage (default: the --deepspeed-config's, else unknown): whether "
                             "Lightning's zero_grad clears what the engine still accumulates")
+    check.add_argument("--resume-from", metavar="CHECKPOINT", default=None,
+                       help="a checkpoint-N folder saved with stepsync: forecast the resume of it on this "
+                            "configuration's layout (--world-size, --batch-size, --gas): the samples the Trainer "
+                            "would skip or train twice")
     check.add_argument("--json", action="store_true", help="print one JSON object")
     inspect = commands.add_parser(
         "inspect", help="audit the checkpoints of a Trainer output directory",
@@ -178,6 +184,10 @@ def run_check(args) -> int:
                    zero_stage=stage if isinstance(stage, int) else None)
     result = forecast(plan, behaviour, args.policy)
     notes += list(result.behaviour.caveats)
+    if args.resume_from:
+        result.resume_shift = resume_of(args.resume_from, inputs, behaviour)
+        notes.append(result.resume_shift.message() if result.resume_shift is not None else
+                     f"a resume of {args.resume_from} keeps its layout: it lands where the run stood")
     if args.json:
         data = result.to_dict()
         data["inputs"] = {"micro_batches_per_epoch": inputs.micro_batches_per_epoch, "batch_size": inputs.batch_size,
@@ -188,6 +198,20 @@ def run_check(args) -> int:
     else:
         Console().print(forecast_view(result, notes))
     return EXIT_ALIGNED if result.sound else EXIT_DRIFTS
+
+
+def resume_of(folder: str, inputs, behaviour):
+    """The shift of a resume of checkpoint ``folder`` on the layout ``inputs`` describe (ValueError with the fix
+    when the folder has no stepsync record that keeps its layout)."""
+    record = load_record(folder)
+    if record is None or record.layout is None or record.examples is None:
+        raise ValueError(f"{folder!r} holds no stepsync record with the layout it was saved on: pass a checkpoint-N "
+                         "folder saved by a run with StepSyncCallback")
+    layout = Layout(inputs.world_size, inputs.batch_size, inputs.gradient_accumulation_steps, record.examples)
+    state = read_json(os.path.join(folder, TRAINER_STATE), "the checkpoint's trainer_state.json")
+    epochs = state.get("num_train_epochs")
+    step = record.resume_steps if record.resume_steps is not None else record.trainer_steps
+    return record.resume_on(layout, step, behaviour.planned_steps, epochs if isinstance(epochs, int) else None)
 
 
 def run_inspect(args) -> int:

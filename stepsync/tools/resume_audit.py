@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from ..core.relayout import Layout, ResumeShift, position, resume_shift
+from ..core.relayout import Layout, ResumeShift
 from ..core.versions import PlannedSteps
 from .audit import CheckpointAudit
 
@@ -70,9 +70,6 @@ def resume_on(audit: CheckpointAudit, world_size: int, planned: PlannedSteps, pe
         return verdict
     resumed = Layout(world_size, per_device_batch or saved.per_device_batch,
                      gradient_accumulation_steps or saved.gradient_accumulation_steps, saved.examples)
-    if (resumed.world_size, resumed.per_device_batch, resumed.gradient_accumulation_steps) != (
-            saved.world_size, saved.per_device_batch, saved.gradient_accumulation_steps):
-        step = record.resume_steps if record.resume_steps is not None else record.trainer_steps
-        verdict.shift = resume_shift(saved, resumed, step, position(saved, record.next_epoch, record.next_skip),
-                                     planned, audit.num_train_epochs)
+    step = record.resume_steps if record.resume_steps is not None else record.trainer_steps
+    verdict.shift = record.resume_on(resumed, step, planned, audit.num_train_epochs)
     return verdict

@@ -9,8 +9,6 @@ from ..core.choices import Policy
 from ..core.errors import StepSyncConfigError
 from ..core.forecast import forecast
 from ..core.plan import RunPlan, resume_position
-from ..core.record import ResumeRecord
-from ..core.relayout import Layout, ResumeShift, position, resume_shift
 from ..core.report import SyncReport
 from ..core.versions import StackBehaviour
 from ..display.output import ConsoleOutput
@@ -37,7 +35,8 @@ def start_run(trainer: Any, args: Any, state: Any, engine: Any, train_dataloader
     record, record_problem = trainer_facts.saved_record(state, trainer_facts.resume_checkpoint(trainer))
     examples = trainer_facts.examples_of(trainer, train_dataloader)
     layout = trainer_facts.layout_of(args, engine, examples)
-    shift = None if record is None else relayout_of(record, layout, state.global_step, behaviour, args)
+    shift = None if record is None or layout is None else record.resume_on(
+        layout, state.global_step, behaviour.planned_steps, math.ceil(args.num_train_epochs))
     resume_steps = None
     if record is not None and record.resume_steps == state.global_step != record.trainer_steps:
         # The checkpoint holds the data position's count for the Trainer's resume; restore the real one.
@@ -83,20 +82,6 @@ def start_run(trainer: Any, args: Any, state: Any, engine: Any, train_dataloader
         continue_from(run, record)
     run.check(state.global_step, "train_begin", REUSED_ENGINE_REMEDY if state.global_step == 0 else INHERITED_REMEDY)
     return run
-
-
-def relayout_of(record: ResumeRecord, layout: Optional[Layout], global_step: int, behaviour: StackBehaviour,
-                args: Any) -> Optional[ResumeShift]:
-    """What resuming ``record``'s checkpoint on ``layout`` does to the data, when the layouts differ; ``global_step``
-    is the count the Trainer placed the resume from."""
-    saved = record.layout
-    if saved is None or layout is None or saved.examples != layout.examples:
-        return None  # a record without its layout, or another dataset: nothing to compare
-    if (saved.world_size, saved.per_device_batch, saved.gradient_accumulation_steps) == (
-            layout.world_size, layout.per_device_batch, layout.gradient_accumulation_steps):
-        return None
-    stood = position(saved, record.next_epoch, record.next_skip)
-    return resume_shift(saved, layout, global_step, stood, behaviour.planned_steps, math.ceil(args.num_train_epochs))
 
 
 def serve_a_generation_buffer(args: Any, run: Run, policy: Policy) -> None:

@@ -54,3 +54,51 @@ def test_ten_samples_from_two_ranks_to_one_train_an_epoch_twice():
 def test_when_nothing_lands_exactly_it_is_said():
     shift = resume_shift(Layout(2, 1, 2, 12), Layout(3, 1, 2, 12), 3, (1, 0), PlannedSteps.CEIL)
     assert not shift.exact and shift.fixes == [] and "no layout on 3 rank(s) lands there" in shift.message()
+
+
+def saved_checkpoint(folder, world=1, gas=4, examples=12, step=6, next_epoch=2, next_skip=0, epochs=3):
+    """A checkpoint-N folder as the Trainer writes it, with stepsync's record (and its layout) in trainer_state."""
+    import json
+
+    from stepsync.core.record import ResumeRecord
+
+    record = ResumeRecord("warn", step, step, step, next_epoch, next_skip, world_size=world, per_device_batch=1,
+                          gradient_accumulation_steps=gas, examples=examples, zero_stage=0)
+    folder.mkdir()
+    state = {"global_step": step, "num_train_epochs": epochs,
+             "stateful_callbacks": {"StepSyncCallback": {"args": {}, "attributes": {"saved_record": record.to_dict()}}}}
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+    return folder
+
+
+def test_check_forecasts_a_resume_on_another_layout(tmp_path):
+    import json
+
+    from harness.cli import stepsync
+
+    folder = saved_checkpoint(tmp_path / "checkpoint-6")
+    args = ["check", "--samples", "12", "--epochs", "3", "--world-size", "2", "--transformers", "5.24.0",
+            "--accelerate", "1.16.0", "--resume-from", str(folder), "--json"]
+    shifted = stepsync(*args, "--gas", "4")
+    data = json.loads(shifted.stdout)
+    assert shifted.returncode == 1 and data["resume_shift"]["skipped"] == {"3": 12}
+    assert data["verdict"].startswith("affected") and "skips 12" in data["verdict"]
+    fixed = stepsync(*args, "--gas", "2")
+    assert fixed.returncode == 0 and json.loads(fixed.stdout)["resume_shift"]["skipped"] == {}
+
+
+def test_check_names_a_folder_without_the_layout(tmp_path):
+    from harness.cli import stepsync
+
+    (tmp_path / "checkpoint-1").mkdir()
+    proc = stepsync("check", "--samples", "12", "--gas", "4", "--resume-from", str(tmp_path / "checkpoint-1"))
+    assert proc.returncode == 2 and "holds no stepsync record with the layout" in proc.stderr
+
+
+def test_an_older_record_without_the_layout_still_reads():
+    from stepsync.core.record import ResumeRecord
+
+    old = {"format": 1, "policy": "warn", "trainer_steps": 4, "engine_steps": 3, "resume_steps": 4, "next_epoch": 1,
+           "next_skip": 0, "unapplied_at_save": 0, "events": [], "corrections": 0, "dropped_micro_batches": {}}
+    record = ResumeRecord.from_dict(old)
+    assert record.layout is None and record.trainer_steps == 4
