@@ -11,14 +11,7 @@ one device check; this probe lifts exactly that check (stepsync/tools/tiny_light
 import json
 import os
 import sys
-import tempfile
 import warnings
-
-
-def cpu_deepspeed_strategy(stage: int):
-    from stepsync.tools.tiny_lightning import cpu_deepspeed_strategy as shipped
-
-    return shipped(stage)
 
 
 def parameters(module):
@@ -32,26 +25,6 @@ def parameters(module):
 def run_case(n: int, g: int, epochs: int, stage: int) -> dict:
     import lightning.pytorch as pl
     import torch
-
-    class OneHot(torch.utils.data.Dataset):
-        def __len__(self):
-            return n
-
-        def __getitem__(self, index):
-            return torch.nn.functional.one_hot(torch.tensor(index), n).float()
-
-    class Linear(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.zeros(n))
-
-        def training_step(self, batch, batch_idx):
-            return (batch @ self.w).sum()
-
-        def configure_optimizers(self):
-            optimizer = torch.optim.SGD(self.parameters(), lr=1.0)
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     class Record(pl.Callback):
         def __init__(self):
@@ -71,12 +44,12 @@ def run_case(n: int, g: int, epochs: int, stage: int) -> dict:
         def on_train_start(self, trainer, module):
             self.last = parameters(module)
 
+    from stepsync.tools.tiny_lightning import fit_tiny
+
     record = Record()
-    trainer = pl.Trainer(accelerator="cpu", strategy=cpu_deepspeed_strategy(stage), max_epochs=epochs,
-                         accumulate_grad_batches=g, callbacks=[record], logger=False, enable_checkpointing=False,
-                         use_distributed_sampler=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tempfile.mkdtemp())
-    trainer.fit(Linear(), torch.utils.data.DataLoader(OneHot(), batch_size=1))
+    trainer, _, error = fit_tiny(n, g, epochs, stage, [record])
+    if error is not None:
+        raise error
     engine = trainer.strategy.model
     return {"n": n, "g": g, "epochs": epochs, "stage": stage, "lightning_steps": trainer.global_step,
             "engine_steps": engine.global_steps, "batches": record.rows, "updates": record.updates}
