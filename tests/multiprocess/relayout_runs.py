@@ -56,8 +56,17 @@ def main(out, name, samples, gas, epochs, policy, checkpoint=None):
     config = deepspeed_config(int(os.environ.get("STEPSYNC_ZERO_STAGE", "0")))
     if os.environ.get("STEPSYNC_LOAD_UNIVERSAL") == "1":
         config["checkpoint"] = {"load_universal": True}
+    from transformers import TrainerCallback
+
+    logged = []
+
+    class Logs(TrainerCallback):  # the records this run logs (stepsync completes them before this callback)
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            logged.append([logs.get("stepsync/samples_skipped"), logs.get("stepsync/samples_repeated")])
+
     callback = StepSyncCallback(policy, console=False)
     result = run_tiny(os.path.join(out, name), samples, gas, epochs, callback=callback, trainer_class=Recording,
+                      extra_callbacks=[Logs()],
                       train_dataset=Indexed(samples), save_strategy="steps", save_steps=1,
                       resume_from_checkpoint=checkpoint, deepspeed=config)
     report = callback.report
@@ -66,7 +75,8 @@ def main(out, name, samples, gas, epochs, policy, checkpoint=None):
         json.dump({"trained": trained, "error": type(result.error).__name__ if result.error else None,
                    "error_message": str(result.error) if result.error else None,
                    "shift": report.resume_shift.to_dict() if report.resume_shift else None,
-                   "global_step": result.trainer.state.global_step, "report": report.to_dict()}, handle)
+                   "global_step": result.trainer.state.global_step, "report": report.to_dict(),
+                   "logged": logged}, handle)
 
 
 if __name__ == "__main__":

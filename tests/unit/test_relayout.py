@@ -102,3 +102,19 @@ def test_an_older_record_without_the_layout_still_reads():
            "next_skip": 0, "unapplied_at_save": 0, "events": [], "corrections": 0, "dropped_micro_batches": {}}
     record = ResumeRecord.from_dict(old)
     assert record.layout is None and record.trainer_steps == 4
+
+
+def test_the_report_carries_the_shift_and_never_calls_it_aligned():
+    import io
+
+    from rich.console import Console
+
+    from stepsync import Policy, SyncReport
+    from stepsync.display.render import summary_view
+
+    shift = resume_shift(Layout(1, 1, 4, 12), Layout(2, 1, 4, 12), 6, (2, 0), PlannedSteps.CEIL, 3)
+    report = SyncReport(Policy.WARN, active=True, trainer_steps=6, engine_steps=6, resume_shift=shift, finished=True)
+    assert "resumed on another layout" in str(report) and report.to_dict()["resume_shift"]["skipped"] == {"3": 12}
+    screen = io.StringIO()
+    Console(file=screen, width=80).print(summary_view(report))
+    assert "skip 12 sample(s)" in " ".join(screen.getvalue().split()) and "aligned" not in screen.getvalue()
