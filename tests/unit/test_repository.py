@@ -34,3 +34,10 @@ def test_no_history_words():
     told = [f"{name}: {match.group(0)!r}" for name, text in repository_text() for match in HISTORY.finditer(text)
             if name != "tests/unit/test_repository.py"]
     assert told == []
+
+
+def test_every_test_file_has_a_name_of_its_own():
+    """The test folders are not packages: two test files of one name would collide when pytest imports them."""
+    listed = subprocess.run(["git", "ls-files", "tests"], capture_output=True, text=True, cwd=REPO).stdout.split()
+    names = [os.path.basename(name) for name in listed if os.path.basename(name).startswith("test_")]
+    assert sorted(set(names)) == sorted(names)
