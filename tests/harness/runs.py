@@ -17,6 +17,15 @@ def child_env(env=None) -> dict:
     return {k: v for k, v in (os.environ if env is None else env).items() if k not in PROCESS_GROUP_VARS}
 
 
+def end_process_group() -> None:
+    """Tear down this rank's process group before exit: left to the interpreter's exit, gloo's threads
+    sometimes abort the rank after a finished run (``terminate called without an active exception``)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @dataclass
 class Recording:
     """What the real run did, recorded independently of stepsync, one entry per micro-batch.

@@ -6,6 +6,7 @@ import sys
 import warnings
 
 from harness.lightning_runs import run_lightning
+from harness.runs import end_process_group
 from stepsync.lightning import StepSyncCallback
 
 CASES = [("warn", 0), ("sync", 0), ("sync", 2), ("drop_last", 2), ("raise", 0)]
@@ -34,3 +35,4 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_process_group()

@@ -13,7 +13,7 @@ import os
 import sys
 import warnings
 
-from harness.runs import run_tiny
+from harness.runs import end_process_group, run_tiny
 from stepsync import StepSyncCallback
 
 
@@ -82,3 +82,4 @@ def main(out, name, samples, gas, epochs, policy, checkpoint=None):
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6],
          *(sys.argv[7:8]))
+    end_process_group()

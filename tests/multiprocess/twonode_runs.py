@@ -14,7 +14,7 @@ import sys
 
 
 from stepsync import StepSyncCallback
-from harness.runs import dump, result_summary, run_tiny
+from harness.runs import dump, end_process_group, result_summary, run_tiny
 
 # name: (policy, epochs, dir per node, save_on_each_node, log_on_each_node, fault: (rank, checkpoint) or None)
 CASES = {
@@ -89,3 +89,4 @@ def run_case(out_dir: str, name: str) -> None:
 if __name__ == "__main__":
     for case in sys.argv[2:]:
         run_case(sys.argv[1], case)
+    end_process_group()

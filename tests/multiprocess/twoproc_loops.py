@@ -6,7 +6,7 @@ import os
 import sys
 
 
-from harness.runs import dump
+from harness.runs import dump, end_process_group
 from harness.loops import run_loop
 
 def main(out_dir: str, policies) -> None:
@@ -36,3 +36,4 @@ def main(out_dir: str, policies) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2:] or ["warn", "sync", "raise"])
+    end_process_group()

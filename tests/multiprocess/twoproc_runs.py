@@ -5,7 +5,7 @@ import tempfile
 
 
 from stepsync import StepSyncCallback
-from harness.runs import dump, result_summary, run_tiny
+from harness.runs import dump, end_process_group, result_summary, run_tiny
 
 CASES = [("warn", 0), ("warn", 2), ("sync", 0), ("sync", 2), ("realign", 0), ("drop_last", 0), ("raise", 0)]
 
@@ -24,3 +24,4 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_process_group()
