@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any, Dict, Optional, Union
+from typing import Any, Optional, Union
 
 from ..core.choices import Policy
 from ..core.errors import StepSyncConfigError
@@ -25,7 +25,8 @@ from ..core.report import SyncReport
 from ..core.versions import EngineBoundary, PlannedSteps, Stack, TrainerRule, behaviour_of
 from ..display.output import ConsoleOutput, logger
 from ..engine.deepspeed import BoundaryOverride, is_engine
-from ..engine.policies import action_for
+from ..engine.loop_objects import InstancePatches, length_of
+from ..engine.policies import watching_action
 from ..engine.run import Run
 
 METRIC_KEYS = ("stepsync/loop_steps", "stepsync/engine_steps", "stepsync/drift")
@@ -64,7 +65,7 @@ class LoopWatch:
         self._inside_accumulate = 0
         self._epoch_open = False
         self._said_outside = False
-        self._originals: Dict[str, Any] = {}
+        self._patches = InstancePatches()
         self.loop_steps = 0
         self.run: Optional[Run] = None
         self._start(dataloader, num_epochs)
@@ -83,19 +84,15 @@ class LoopWatch:
             raise StepSyncConfigError("stepsync.watch() found no DeepSpeed engine on the accelerator: call it after "
                                       "accelerator.prepare(model, optimizer, dataloader, ...)")
         g = int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1)
-        try:
-            n = len(dataloader) if dataloader is not None else None
-        except TypeError:
-            n = None
+        n = length_of(dataloader)
         # accelerate's accumulate() is the epoch-end rule: a window every G micro-batches, restarted at the
         # dataloader's end; the no_trainer examples plan epochs * ceil(N / G) updates.
         behaviour = dataclasses.replace(behaviour_of(Stack.installed()), trainer_rule=TrainerRule.EPOCH_END,
                                         planned_steps=PlannedSteps.CEIL)
         is_main = bool(getattr(state, "is_main_process", True))
         # sync steers the engine here from sync_gradients; the run's action only watches (and raises)
-        watching = action_for(Policy.RAISE if self.policy is Policy.RAISE else Policy.WARN)
         run = self.run = Run(engine, behaviour, n, g, self.report, self.output, counter="loop updates",
-                             is_main=is_main, action=watching)
+                             is_main=is_main, action=watching_action(self.policy))
         self.report.active = True
         run.state_what_differs("the accelerator's")
         if self.policy is Policy.SYNC:
@@ -116,8 +113,6 @@ class LoopWatch:
     def _wrap(self, run: Run) -> None:
         accelerator = self.accelerator
         backward, accumulate = accelerator.backward, accelerator.accumulate
-        # What to put back: the instance's own attribute if it had one (another wrapper), else nothing.
-        self._originals = {name: vars(accelerator).get(name) for name in ("backward", "accumulate")}
 
         @functools.wraps(backward)
         def watched_backward(loss, **kwargs):
@@ -135,8 +130,8 @@ class LoopWatch:
             finally:
                 self._inside_accumulate -= 1
 
-        accelerator.backward = watched_backward
-        accelerator.accumulate = watched_accumulate
+        self._patches.set(accelerator, "backward", watched_backward)
+        self._patches.set(accelerator, "accumulate", watched_accumulate)
 
     # ------------------------------------------------------------ every micro-batch
 
@@ -174,12 +169,7 @@ class LoopWatch:
 
     def close(self) -> SyncReport:
         """Give ``backward``, ``accumulate`` and the engine's boundary back; the report is final."""
-        for name, original in self._originals.items():
-            if original is None:
-                vars(self.accelerator).pop(name, None)  # the class's own method shows through again
-            else:
-                setattr(self.accelerator, name, original)
-        self._originals = {}
+        self._patches.restore()
         if self._override is not None:
             self._override.restore()
             self._override = None
@@ -225,7 +215,4 @@ def watch(accelerator: Any, policy: Union[str, Policy] = Policy.WARN, dataloader
                         optimizer.step(); lr_scheduler.step(); optimizer.zero_grad()
         print(sync.report)
     """
-    policy = Policy.parse(policy)
-    if policy in REFUSED:
-        raise ValueError(REFUSED[policy])
-    return LoopWatch(accelerator, policy, dataloader, num_epochs, console)
+    return LoopWatch(accelerator, Policy.parse(policy, refused=REFUSED), dataloader, num_epochs, console)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Union
+from typing import Mapping, Optional, Union
 
 
 class Policy(str, Enum):
@@ -22,8 +22,16 @@ class Policy(str, Enum):
     DROP_LAST = "drop_last"
 
     @classmethod
-    def parse(cls, value: Union[str, Policy]) -> Policy:
-        """``"sync"`` or ``Policy.SYNC`` -> ``Policy.SYNC``; anything else raises ``ValueError``."""
+    def parse(cls, value: Union[str, Policy], refused: Optional[Mapping[Policy, str]] = None) -> Policy:
+        """``"sync"`` or ``Policy.SYNC`` -> ``Policy.SYNC``; anything else, or a policy in ``refused`` (a policy
+        the caller cannot apply, with why), raises ``ValueError``."""
+        policy = cls._lookup(value)
+        if refused and policy in refused:
+            raise ValueError(refused[policy])
+        return policy
+
+    @classmethod
+    def _lookup(cls, value: Union[str, Policy]) -> Policy:
         if isinstance(value, cls):
             return value
         if isinstance(value, str):

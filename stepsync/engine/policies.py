@@ -261,3 +261,8 @@ ACTIONS: Dict[Policy, Type[PolicyAction]] = {
 
 def action_for(policy: Policy) -> PolicyAction:
     return ACTIONS[policy]()
+
+
+def watching_action(policy: Policy) -> PolicyAction:
+    """The action of a run whose adapter steers the engine itself: it only watches, and raises under 'raise'."""
+    return action_for(Policy.RAISE if policy is Policy.RAISE else Policy.WARN)

@@ -59,9 +59,7 @@ class StepSyncCallback(Callback, Adapter):
     """
 
     def __init__(self, policy: Union[str, Policy] = Policy.WARN, console: Any = None) -> None:
-        self.policy = Policy.parse(policy)
-        if self.policy in REFUSED:
-            raise ValueError(REFUSED[self.policy])
+        self.policy = Policy.parse(policy, refused=REFUSED)
         self.output = ConsoleOutput(console)
         self.report = SyncReport(self.policy, counter="Lightning")
         self._run: Optional[Run] = None
@@ -119,7 +117,7 @@ class StepSyncCallback(Callback, Adapter):
         epoch = trainer.current_epoch
         plan = None if n is None else RunPlan(
             n, g, trainer.max_epochs if trainer.max_epochs is not None else -1, trainer.max_steps,
-            trainer.global_step, engine.global_steps, zero_stage=lightning_facts.zero_stage(trainer),
+            trainer.global_step, engine.global_steps, zero_stage=lightning_facts.zero_stage(trainer.strategy),
             start=(epoch, batch_idx))
         run = Run(engine, behaviour, self._batches or n, g, self.report, self.output, counter="Lightning global_step",
                   start_epoch=epoch, skip=batch_idx, is_main=trainer.is_global_zero, plan=plan,

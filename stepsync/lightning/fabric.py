@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Dict, Optional, Union
+from typing import Any, Optional, Union
 
 from ..core.choices import Policy
 from ..core.errors import StepSyncConfigError
@@ -27,8 +27,10 @@ from ..core.report import SyncReport
 from ..display.output import ConsoleOutput, logger
 from ..engine.deepspeed import BoundaryOverride, is_engine
 from ..engine.faults import Adapter
-from ..engine.policies import action_for
+from ..engine.loop_objects import InstancePatches, length_of
+from ..engine.policies import watching_action
 from ..engine.run import Run
+from . import lightning as lightning_facts
 
 REFUSED = {
     Policy.REALIGN: "policy 'realign' cannot change your loop's own count: use policy='sync' or 'warn'",
@@ -58,32 +60,28 @@ class FabricWatch(Adapter):
         self._override: Optional[BoundaryOverride] = None
         self._ends_window: Optional[bool] = None  # what the loop's last no_backward_sync said of this micro-batch
         self._reported_micro_batch = True  # the last backward's micro-batch is in the run's count
-        self._originals: Dict[str, Any] = {}
+        self._patches = InstancePatches()
         engine = getattr(model, "_forward_module", None)
-        if "deepspeed" not in type(getattr(fabric, "strategy", None)).__name__.lower() or not is_engine(engine):
+        if not lightning_facts.uses_deepspeed(getattr(fabric, "strategy", None)) or not is_engine(engine):
             self.report.inactive_reason = "this Fabric does not use DeepSpeed: nothing to check"
             logger.info("%s", self.report.inactive_reason)
             return
         self._start(engine, dataloader)
 
     def _start(self, engine: Any, dataloader: Any) -> None:
-        config = getattr(self.fabric.strategy, "config", None) or {}
-        stage = (config.get("zero_optimization") or {}).get("stage", 0)
+        stage = lightning_facts.zero_stage(self.fabric.strategy) or 0
         gas = engine.gradient_accumulation_steps()
-        try:
-            n: Optional[int] = len(dataloader) if dataloader is not None else None
-        except TypeError:
-            n = None
-        run = self._run = Run(engine, lightning_behaviour_of(LightningStack.installed()), n, gas, self.report,
+        stack = LightningStack.installed()
+        run = self._run = Run(engine, lightning_behaviour_of(stack), length_of(dataloader), gas, self.report,
                               self.output, counter="your loop's optimizer.step() count",
                               is_main=bool(getattr(self.fabric, "is_global_zero", True)),
-                              action=action_for(Policy.RAISE if self.policy is Policy.RAISE else Policy.WARN))
+                              action=watching_action(self.policy))
         run.known_cause = Cause.ENGINE_NOT_STEPPED
         run.remedy = "use stepsync.lightning.watch(fabric, ..., policy='sync')"
         self.report.active = True
-        zero12 = fabric_zero12(LightningStack.installed().deepspeed) if stage in (1, 2) else None
+        zero12 = fabric_zero12(stack.deepspeed) if stage in (1, 2) else None
         if zero12 in ("fails", "keeps_the_last") and (gas > 1 or zero12 == "fails"):
-            text = FAILS.format(gas=gas, stage=stage, deepspeed=LightningStack.installed().deepspeed)
+            text = FAILS.format(gas=gas, stage=stage, deepspeed=stack.deepspeed)
             if self.policy is not Policy.WARN:
                 raise StepSyncConfigError(text)
             run.warn(text)
@@ -97,8 +95,6 @@ class FabricWatch(Adapter):
 
     def _wrap(self, run: Run) -> None:
         fabric, optimizer = self.fabric, self.optimizer
-        self._originals = {"backward": vars(fabric).get("backward"), "no_backward_sync": vars(fabric).get(
-            "no_backward_sync"), "step": vars(optimizer).get("step")}
         backward, no_backward_sync, step = fabric.backward, fabric.no_backward_sync, optimizer.step
 
         @functools.wraps(backward)
@@ -118,8 +114,9 @@ class FabricWatch(Adapter):
             self._after_step(run)
             return result
 
-        fabric.backward, fabric.no_backward_sync, optimizer.step = watched_backward, watched_no_backward_sync, \
-            watched_step
+        self._patches.set(fabric, "backward", watched_backward)
+        self._patches.set(fabric, "no_backward_sync", watched_no_backward_sync)
+        self._patches.set(optimizer, "step", watched_step)
 
     def _before_backward(self, run: Run) -> None:
         if not self._reported_micro_batch:  # the previous micro-batch ended without an optimizer.step()
@@ -146,13 +143,7 @@ class FabricWatch(Adapter):
 
     def close(self) -> SyncReport:
         """Give ``backward``, ``no_backward_sync``, ``step`` and the engine's boundary back; the report is final."""
-        for owner, names in ((self.fabric, ("backward", "no_backward_sync")), (self.optimizer, ("step",))):
-            for name in names:
-                original = self._originals.get(name)
-                if original is None:
-                    vars(owner).pop(name, None)
-                else:
-                    setattr(owner, name, original)
+        self._patches.restore()
         if self._override is not None:
             self._override.restore()
         run = self._run
@@ -197,7 +188,4 @@ def watch(fabric: Any, model: Any, optimizer: Any, policy: Union[str, Policy] = 
                     optimizer.step(); optimizer.zero_grad()
         print(sync.report)
     """
-    policy = Policy.parse(policy)
-    if policy in REFUSED:
-        raise ValueError(REFUSED[policy])
-    return FabricWatch(fabric, model, optimizer, policy, dataloader, console)
+    return FabricWatch(fabric, model, optimizer, Policy.parse(policy, refused=REFUSED), dataloader, console)

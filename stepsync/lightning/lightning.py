@@ -11,18 +11,23 @@ from ..engine.deepspeed import is_engine
 METRIC_KEYS = ("stepsync/lightning_steps", "stepsync/engine_steps", "stepsync/drift")
 
 
+def uses_deepspeed(strategy: Any) -> bool:
+    """Whether a Lightning Trainer's or Fabric's strategy is one of Lightning's DeepSpeed strategies."""
+    return strategy is not None and "deepspeed" in type(strategy).__name__.lower()
+
+
 def deepspeed_engine(trainer: Any) -> Optional[Any]:
     """The DeepSpeed engine of a Lightning Trainer (its DeepSpeedStrategy keeps it as ``model``), or None."""
     strategy = getattr(trainer, "strategy", None)
-    if strategy is None or "deepspeed" not in type(strategy).__name__.lower():
+    if not uses_deepspeed(strategy):
         return None
     engine = getattr(strategy, "model", None)
     return engine if is_engine(engine) else None
 
 
-def zero_stage(trainer: Any) -> Optional[int]:
-    """The ZeRO stage in the strategy's DeepSpeed config, or None."""
-    config = getattr(trainer.strategy, "config", None) or {}
+def zero_stage(strategy: Any) -> Optional[int]:
+    """The ZeRO stage in a Lightning DeepSpeed strategy's config (the Trainer's or Fabric's), or None."""
+    config = getattr(strategy, "config", None) or {}
     stage = (config.get("zero_optimization") or {}).get("stage")
     return int(stage) if isinstance(stage, int) else None
 

@@ -173,8 +173,7 @@ def run_check(args) -> int:
     stage = args.zero_stage if args.zero_stage is not None else ((deepspeed or {}).get("zero_optimization") or {}).get(
         "stage")
     if args.framework == "lightning":
-        if args.policy in LIGHTNING_REFUSED:
-            raise ValueError(LIGHTNING_REFUSED[args.policy])
+        Policy.parse(args.policy, refused=LIGHTNING_REFUSED)
         behaviour = lightning_behaviour_of(LightningStack(args.lightning or installed_version("lightning")
                                                           or MEASURED_LIGHTNING[-1], versions["deepspeed"]))
     else:

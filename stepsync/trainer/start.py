@@ -3,7 +3,7 @@ included), the forecast, TRL's generation buffer, and one agreement across ranks
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Tuple
+from typing import Any, Tuple
 
 from ..core.choices import Policy
 from ..core.errors import StepSyncConfigError
@@ -13,6 +13,7 @@ from ..core.report import SyncReport
 from ..core.versions import StackBehaviour
 from ..display.output import ConsoleOutput
 from ..engine.deepspeed import spread_across_ranks
+from ..engine.loop_objects import length_of
 from ..engine.resume import continue_from
 from ..engine.run import Run
 from . import trainer as trainer_facts
@@ -27,10 +28,7 @@ def start_run(trainer: Any, args: Any, state: Any, engine: Any, train_dataloader
               report: SyncReport, output: ConsoleOutput, is_main: bool, keep: Any) -> Run:
     """Build the run of ``trainer``, hand it to ``keep`` (so that a failure from here on can switch it off), start
     its policy, announce the forecast and check the counts training begins with."""
-    try:
-        n: Optional[int] = len(train_dataloader) or None
-    except TypeError:
-        n = None
+    n = length_of(train_dataloader) or None
     g = args.gradient_accumulation_steps
     record, record_problem = trainer_facts.saved_record(state, trainer_facts.resume_checkpoint(trainer))
     examples = trainer_facts.examples_of(trainer, train_dataloader)

@@ -71,8 +71,8 @@ TEST_REQUIREMENTS = ("rich", "pytest", "hypothesis", "nbclient", "ipykernel", "s
 
 # The test matrix: each behaviour change the probes found (probes/*.json, stepsync/core/versions.py), measured on
 # both sides with real DeepSpeed runs. Stacks sharing a DeepSpeed release share its compiled op. transformers
-# 4.57 and 5.0 fill
-# DeepSpeed's warmup_num_steps with 0, which DeepSpeed 0.19.5 and later refuse: they get 0.18.4 (January 2026).
+# 4.57 and 5.0 fill DeepSpeed's warmup_num_steps with 0, which DeepSpeed 0.19.5 and later refuse: they get 0.18.4
+# (January 2026).
 STACKS = (
     StackSpec("aligned", "5.24.0", "1.16.0", "0.19.8", "2026-11-30", "no drift", (Case(3, 2, 2), Case(7, 3, 2))),
     StackSpec("drifting", "5.24.0", "1.7.0", "0.19.8", "2026-11-30", "Trainer ahead by up to 1 per epoch",
