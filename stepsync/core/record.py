@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Dict, List, Optional
 
 from .events import DriftEvent
@@ -56,7 +56,7 @@ class ResumeRecord:
     zero_stage: Optional[int] = None
 
     FORMAT = 1
-    LAYOUT = ("world_size", "per_device_batch", "gradient_accumulation_steps", "examples", "zero_stage")
+    LAYOUT = tuple(f.name for f in fields(Layout))  # kept as fields of their own, each optional
 
     @property
     def layout(self) -> Optional[Layout]:

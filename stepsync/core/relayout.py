@@ -8,7 +8,7 @@ places a resume with its own arithmetic on the new layout (``epochs = global_ste
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from . import rules
@@ -103,7 +103,7 @@ class ResumeShift:
                 f"stood at epoch {self.stood[0] + 1}, sample {self.stood[1]}; it will {' and '.join(what)}{fix}")
 
     def to_dict(self) -> dict:
-        return {"saved": self.saved.__dict__, "resumed": self.resumed.__dict__, "global_step": self.global_step,
+        return {"saved": asdict(self.saved), "resumed": asdict(self.resumed), "global_step": self.global_step,
                 "stood": list(self.stood), "lands": list(self.lands),
                 "skipped": {str(k): v for k, v in self.skipped.items()},
                 "repeated": {str(k): v for k, v in self.repeated.items()}, "fixes": list(self.fixes)}

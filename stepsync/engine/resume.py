@@ -1,6 +1,8 @@
 """Resuming: the record a checkpoint saved now must hold, and how a resumed run carries the saved report on."""
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from ..core.plan import resume_steps_for
 from ..core.record import ResumeRecord
 from .run import Run
@@ -21,10 +23,7 @@ def record_of(run: Run) -> ResumeRecord:
         events=list(report.events),
         corrections=report.corrections,
         dropped_micro_batches=dict(report.dropped_micro_batches),
-        **({} if run.layout is None else {"world_size": run.layout.world_size,
-                                          "per_device_batch": run.layout.per_device_batch,
-                                          "gradient_accumulation_steps": run.layout.gradient_accumulation_steps,
-                                          "examples": run.layout.examples, "zero_stage": run.layout.zero_stage}),
+        **({} if run.layout is None else asdict(run.layout)),
     )
 
 
