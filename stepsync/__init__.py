@@ -9,10 +9,10 @@ from ._version import __version__ as __version__
 # public name -> the module that defines it (loaded on first use)
 _PUBLIC = {
     "Policy": "core.choices",
-    "EpochForecast": "core.forecast", "Forecast": "core.forecast", "forecast": "core.forecast",
+    "EpochForecast": "core.prediction", "Forecast": "core.prediction", "forecast": "core.forecast",
     "RunPlan": "core.plan",
     "Cause": "core.events", "DriftEvent": "core.events",
-    "StepDriftError": "core.errors", "StepSyncConfigError": "core.errors",
+    "StepSyncError": "core.errors", "StepDriftError": "core.errors", "StepSyncConfigError": "core.errors",
     "SyncReport": "core.report",
     "Stack": "core.versions", "behaviour_of": "core.versions",
     "StepSyncCallback": "trainer.callback",

@@ -14,28 +14,24 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 from typing import Any, Optional, Union
 
 from ..core.choices import Policy
-from ..core.errors import StepSyncConfigError
+from ..core.errors import StepSyncConfigError, UnsupportedVersion
 from ..core.events import Cause
-from ..core.forecast import forecast
+from ..core.frameworks import ACCELERATE_LOOP
 from ..core.plan import RunPlan
 from ..core.report import SyncReport
 from ..core.versions import EngineBoundary, PlannedSteps, Stack, TrainerRule, behaviour_of
-from ..display.output import ConsoleOutput, logger
-from ..engine.deepspeed import BoundaryOverride, is_engine
+from ..display.output import ConsoleOutput
+from ..engine.deepspeed import is_engine
+from ..engine.faults import Adapter, guarded
+from ..engine.lifecycle import RunStart, close_run, idle_report, open_run
 from ..engine.loop_objects import InstancePatches, length_of
-from ..engine.policies import watching_action
+from ..engine.policies import loop_action_for
 from ..engine.run import Run
 
-METRIC_KEYS = ("stepsync/loop_steps", "stepsync/engine_steps", "stepsync/drift")
-REFUSED = {
-    Policy.REALIGN: "policy 'realign' cannot change your loop's own counter: keep policy 'warn' and adopt "
-                    "watch.report.engine_steps, or use policy='sync'",
-    Policy.DROP_LAST: "policy 'drop_last' cannot end your dataloader's epochs early: use policy='sync', or drop "
-                      "the partial window in your loop",
-}
 OUTSIDE_ACCUMULATE = ("accelerator.backward() ran outside `with accelerator.accumulate(model):` with "
                       "gradient_accumulation_steps={g}: there sync_gradients stays True, so {effect}; put the "
                       "forward, backward and optimizer step inside `with accelerator.accumulate(model):`")
@@ -45,9 +41,17 @@ OUTSIDE_EFFECT = {
 }
 
 
-class LoopWatch:
+def find_engine(accelerator: Any) -> Any:
+    """The DeepSpeed engine ``accelerator.prepare`` built, or None."""
+    return getattr(getattr(accelerator, "deepspeed_engine_wrapped", None), "engine", None)
+
+
+class LoopWatch(Adapter):
     """Watches one custom accelerate loop; made by :func:`watch`. Use it as a context manager, or call
     :meth:`close` after the loop: that gives ``backward`` and the engine's boundary back and ends the report.
+
+    A failure inside stepsync never reaches your loop (it is logged once, and a failure of its steering gives
+    DeepSpeed its own boundary back), except under ``policy="raise"``.
 
     Attributes:
         report: the same :class:`stepsync.SyncReport` the callback keeps; ``trainer_steps`` is the count your
@@ -60,65 +64,65 @@ class LoopWatch:
         self.accelerator = accelerator
         self.policy = policy
         self.output = ConsoleOutput(console)
-        self.report = SyncReport(policy, counter="your loop")
-        self._override: Optional[BoundaryOverride] = None
+        self.report = idle_report(ACCELERATE_LOOP, policy)
+        self._run: Optional[Run] = None
         self._inside_accumulate = 0
         self._epoch_open = False
         self._said_outside = False
+        self._counts_update = False
         self._patches = InstancePatches()
         self.loop_steps = 0
-        self.run: Optional[Run] = None
         self._start(dataloader, num_epochs)
+
+    @property
+    def run(self) -> Optional[Run]:
+        """The run being watched; None before, without DeepSpeed, and once stepsync switched itself off."""
+        return self._run
 
     # ------------------------------------------------------------ setup
 
     def _start(self, dataloader: Any, num_epochs: Optional[float]) -> None:
         accelerator = self.accelerator
-        state = getattr(accelerator, "state", None)
         if "DEEPSPEED" not in str(getattr(accelerator, "distributed_type", "")):
-            self.report.inactive_reason = "the accelerator does not use DeepSpeed: nothing to check"
-            logger.info("%s", self.report.inactive_reason)
+            self.report = idle_report(ACCELERATE_LOOP, self.policy,
+                                      "the accelerator does not use DeepSpeed: nothing to check")
             return
-        engine: Any = getattr(getattr(accelerator, "deepspeed_engine_wrapped", None), "engine", None)
+        engine = find_engine(accelerator)
         if not is_engine(engine):
             raise StepSyncConfigError("stepsync.watch() found no DeepSpeed engine on the accelerator: call it after "
                                       "accelerator.prepare(model, optimizer, dataloader, ...)")
+        try:
+            installed = behaviour_of(Stack.installed())
+        except UnsupportedVersion as exc:
+            self.report = idle_report(ACCELERATE_LOOP, self.policy, f"{exc}; stepsync cannot check this run",
+                                      logging.WARNING)
+            return
         g = int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1)
         n = length_of(dataloader)
         # accelerate's accumulate() is the epoch-end rule: a window every G micro-batches, restarted at the
         # dataloader's end; the no_trainer examples plan epochs * ceil(N / G) updates.
-        behaviour = dataclasses.replace(behaviour_of(Stack.installed()), trainer_rule=TrainerRule.EPOCH_END,
-                                        planned_steps=PlannedSteps.CEIL)
-        is_main = bool(getattr(state, "is_main_process", True))
-        # sync steers the engine here from sync_gradients; the run's action only watches (and raises)
-        run = self.run = Run(engine, behaviour, n, g, self.report, self.output, counter="loop updates",
-                             is_main=is_main, action=watching_action(self.policy))
-        self.report.active = True
-        run.state_what_differs("the accelerator's")
-        if self.policy is Policy.SYNC:
-            if behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER:
-                run.note("policy 'sync' does nothing here: this accelerate already sets DeepSpeed's boundary from "
-                         "sync_gradients (accelerate >= 1.8.0)")
-            elif not run.facts.can_override_boundary:
-                raise StepSyncConfigError(f"policy 'sync' cannot steer this engine: {run.facts.why_not}; "
-                                          "use policy='warn'")
-            else:
-                self._override = BoundaryOverride(engine)
-        if n is not None and num_epochs is not None:
-            run.announce(forecast(RunPlan(n, g, num_epochs, -1, 0, engine.global_steps), behaviour, self.policy))
-        elif n is None:
-            run.note("no dataloader length: pass dataloader=... to stepsync.watch() for a forecast")
-        self._wrap(run)
+        behaviour = dataclasses.replace(installed, trainer_rule=TrainerRule.EPOCH_END, planned_steps=PlannedSteps.CEIL,
+                                        framework=ACCELERATE_LOOP)
+        plan = None if n is None or num_epochs is None else RunPlan(n, g, num_epochs, -1, 0, engine.global_steps)
+        open_run(RunStart(ACCELERATE_LOOP, self.policy, engine, behaviour, n, g, self.output,
+                          is_main=bool(getattr(getattr(accelerator, "state", None), "is_main_process", True)),
+                          plan=plan, action=loop_action_for(self.policy)), self._keep)
+        if n is None and self._run is not None:
+            self._run.note("no dataloader length: pass dataloader=... to stepsync.watch() for a forecast")
+        self._wrap()
 
-    def _wrap(self, run: Run) -> None:
+    def _keep(self, run: Run) -> None:
+        self._run, self.report = run, run.report
+
+    def _wrap(self) -> None:
         accelerator = self.accelerator
         backward, accumulate = accelerator.backward, accelerator.accumulate
 
         @functools.wraps(backward)
         def watched_backward(loss, **kwargs):
-            self._before_backward(run)
+            self._before_backward()
             result = backward(loss, **kwargs)
-            self._after_backward(run)
+            self._after_backward()
             return result
 
         @contextlib.contextmanager
@@ -135,6 +139,7 @@ class LoopWatch:
 
     # ------------------------------------------------------------ every micro-batch
 
+    @guarded(steering=True)
     def _before_backward(self, run: Run) -> None:
         if not self._epoch_open:
             run.begin_epoch()
@@ -146,38 +151,37 @@ class LoopWatch:
             run.warn(OUTSIDE_ACCUMULATE.format(g=run.g, effect=effect))
             run.known_cause = Cause.OUTSIDE_ACCUMULATE
             run.remedy = "put the forward, backward and optimizer step inside `with accelerator.accumulate(model):`"
-        if self._override is not None:
-            self._override.set(self._counts_update)  # accelerate 1.8's fix: the engine follows sync_gradients
+        run.before_micro_batch(self._counts_update)  # under sync the engine follows sync_gradients (accelerate 1.8)
 
+    @guarded(steering=True)
     def _after_backward(self, run: Run) -> None:
         if self._counts_update:
             self.loop_steps += 1
         run.after_micro_batch(self._counts_update, self.loop_steps)
-        if self._counts_update:
-            self._log_metrics(run)
+        if self._counts_update and run.observing and getattr(self.accelerator, "trackers", None):
+            self._observe("accelerator.log", self._log_metrics, run.engine_steps_seen)
         if getattr(self.accelerator.gradient_state, "end_of_dataloader", False):
             run.end_epoch(self.loop_steps)
             self._epoch_open = False
 
-    def _log_metrics(self, run: Run) -> None:
-        if getattr(self.accelerator, "trackers", None):
-            engine_steps = run.engine_steps_seen
-            self.accelerator.log({METRIC_KEYS[0]: self.loop_steps, METRIC_KEYS[1]: engine_steps,
-                                  METRIC_KEYS[2]: self.loop_steps - engine_steps}, step=self.loop_steps)
+    def _log_metrics(self, engine_steps: int) -> None:
+        loop, engine, drift = ACCELERATE_LOOP.metric_keys
+        self.accelerator.log({loop: self.loop_steps, engine: engine_steps, drift: self.loop_steps - engine_steps},
+                             step=self.loop_steps)
 
     # ------------------------------------------------------------ end
 
     def close(self) -> SyncReport:
-        """Give ``backward``, ``accumulate`` and the engine's boundary back; the report is final."""
+        """Give ``backward``, ``accumulate`` and the engine's boundary back; the report is final. Closing twice
+        changes nothing."""
         self._patches.restore()
-        if self._override is not None:
-            self._override.restore()
-            self._override = None
-        if self.run is not None and not self.report.finished:
-            self.report.unapplied_micro_batches = self.run.since_engine_update
-            self.report.finished = True
-            self.run.summarize()
+        if not self.report.finished:
+            self._close()
         return self.report
+
+    @guarded(steering=True, needs_run=False)
+    def _close(self) -> None:
+        close_run(self.report, self._run, self.loop_steps)
 
     def __enter__(self) -> LoopWatch:
         return self
@@ -200,9 +204,9 @@ def watch(accelerator: Any, policy: Union[str, Policy] = Policy.WARN, dataloader
         console: as for :class:`stepsync.StepSyncCallback`.
 
     Raises:
-        ValueError: an unknown or refused policy, a bad console.
-        StepSyncConfigError: no DeepSpeed engine yet (call it after ``prepare``), or ``sync`` on an engine that
-            cannot be steered.
+        StepSyncConfigError: (a ``ValueError``) an unknown or refused policy, no DeepSpeed engine yet (call it
+            after ``prepare``), or ``sync`` on an engine that cannot be steered.
+        ValueError: a bad console.
 
     Example::
 
@@ -215,4 +219,4 @@ def watch(accelerator: Any, policy: Union[str, Policy] = Policy.WARN, dataloader
                         optimizer.step(); lr_scheduler.step(); optimizer.zero_grad()
         print(sync.report)
     """
-    return LoopWatch(accelerator, Policy.parse(policy, refused=REFUSED), dataloader, num_epochs, console)
+    return LoopWatch(accelerator, ACCELERATE_LOOP.parse_policy(policy), dataloader, num_epochs, console)

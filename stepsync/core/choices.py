@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Mapping, Optional, Union
+from typing import Union
+
+from .errors import StepSyncConfigError
 
 
 class Policy(str, Enum):
@@ -22,16 +24,10 @@ class Policy(str, Enum):
     DROP_LAST = "drop_last"
 
     @classmethod
-    def parse(cls, value: Union[str, Policy], refused: Optional[Mapping[Policy, str]] = None) -> Policy:
-        """``"sync"`` or ``Policy.SYNC`` -> ``Policy.SYNC``; anything else, or a policy in ``refused`` (a policy
-        the caller cannot apply, with why), raises ``ValueError``."""
-        policy = cls._lookup(value)
-        if refused and policy in refused:
-            raise ValueError(refused[policy])
-        return policy
-
-    @classmethod
-    def _lookup(cls, value: Union[str, Policy]) -> Policy:
+    def parse(cls, value: Union[str, Policy]) -> Policy:
+        """``"sync"`` or ``Policy.SYNC`` -> ``Policy.SYNC``; anything else raises
+        :class:`~stepsync.core.errors.StepSyncConfigError`, a ``ValueError`` (what a framework refuses:
+        :meth:`stepsync.core.frameworks.Framework.parse_policy`)."""
         if isinstance(value, cls):
             return value
         if isinstance(value, str):
@@ -40,7 +36,7 @@ class Policy(str, Enum):
             except ValueError:
                 pass
         choices = ", ".join(repr(p.value) for p in cls)
-        raise ValueError(f"Unsupported policy {value!r}. Possible choices are: {choices}")
+        raise StepSyncConfigError(f"Unsupported policy {value!r}. Possible choices are: {choices}")
 
     @property
     def interferes(self) -> bool:

@@ -1,4 +1,4 @@
-"""Every error stepsync raises; each message names the fix."""
+"""Every error stepsync raises on purpose; each message names the fix, and all share one base."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -7,7 +7,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from .events import DriftEvent
 
 
-class StepDriftError(RuntimeError):
+class StepSyncError(Exception):
+    """The base of every error stepsync raises on purpose: catch this one name. A failure inside stepsync that is
+    not one of these is a fault, which never reaches training unless the policy is ``raise``."""
+
+
+class StepDriftError(StepSyncError, RuntimeError):
     """Raised by policy ``'raise'`` at the first divergence; carries the :class:`DriftEvent`."""
 
     def __init__(self, event: DriftEvent) -> None:
@@ -15,17 +20,17 @@ class StepDriftError(RuntimeError):
         super().__init__(event.message())
 
 
-class StepSyncConfigError(ValueError):
-    """A configuration that stepsync cannot serve; raised before any training step runs."""
+class StepSyncConfigError(StepSyncError, ValueError):
+    """A configuration or an argument that stepsync cannot serve; raised before any training step runs."""
 
 
-class UnsupportedVersion(ValueError):
+class UnsupportedVersion(StepSyncError, ValueError):
     """A release older than any stepsync measured; the message names the supported range."""
 
 
-class ConfigInputError(ValueError):
+class ConfigInputError(StepSyncError, ValueError):
     """An input ``stepsync check`` cannot use; the message says what to change."""
 
 
-class AuditInputError(ValueError):
+class AuditInputError(StepSyncError, ValueError):
     """The path ``stepsync inspect`` was given is not a Trainer output directory; the message names the fix."""

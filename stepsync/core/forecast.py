@@ -1,4 +1,5 @@
-"""Forecast of both counters, epoch by epoch, in closed form (O(epochs), never O(micro-batches)).
+"""Forecast of both counters, epoch by epoch, in closed form (O(epochs), never O(micro-batches)); what it says
+(its rows, verdict and JSON) is :mod:`stepsync.core.prediction`.
 
 Pure: imports neither torch, transformers nor deepspeed. The callback compares the real run
 with it and ``stepsync check`` prints it.
@@ -6,120 +7,14 @@ with it and ``stepsync check`` prints it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import Optional
 
-from . import explain, rules
+from . import rules
 from .choices import Policy
 from .plan import RunPlan, planned_steps, resume_position, trainer_epoch_length, updates_per_epoch
-from .relayout import ResumeShift
+from .prediction import EpochForecast, Forecast
 from .versions import EngineBoundary, PlannedSteps, StackBehaviour, TrainerRule
-
-
-@dataclass(frozen=True)
-class EpochForecast:
-    """One epoch of a forecast. ``epoch`` is 1-based; step counts are cumulative at the epoch's end.
-
-    ``partial_window`` is the size of the Trainer's short last window (0 when N is a multiple of G
-    or the epoch stopped early); ``dropped`` the micro-batches ``drop_last`` leaves untrained; ``cut`` the
-    micro-batches the Trainer itself never reaches (transformers 4.46-4.51, see :func:`trainer_epoch_length`).
-    """
-
-    epoch: int
-    micro_batches: int
-    trainer_updates: int
-    engine_updates: int
-    trainer_steps: int
-    engine_steps: int
-    partial_window: int = 0
-    dropped: int = 0
-    cut: int = 0
-
-    @property
-    def drift(self) -> int:
-        return self.trainer_steps - self.engine_steps
-
-
-@dataclass
-class Forecast:
-    """The predicted counts of a run under one policy.
-
-    Attributes:
-        planned_steps: the ``max_steps`` the Trainer plans (and the LR schedule is built for).
-        epochs: one row per epoch that runs.
-        unapplied_micro_batches: micro-batches the engine accumulated but never applied at the end.
-        reachable_steps: under ``realign`` and ``drop_last``, the count the run ends at when that is below
-            ``planned_steps``: stepsync lowers the Trainer's ``max_steps`` to it so the run ends like a normal
-            one (None otherwise).
-        epochs_to_run: the epochs the Trainer's loop runs at most.
-        stopped_by_plan: the run ends because the Trainer's count reached its ``max_steps`` (not the data's end).
-        micro_batch_weight: what each micro-batch weighs in its update (1/G when the loss is divided once).
-        straddling: the 1-based epochs that begin inside an engine window the previous epoch opened.
-        resume_shift: the data a resume on another layout skips or trains twice (set by the adapter that saw it).
-        wiped_micro_batches: micro-batches whose gradients the framework's own zero_grad clears while the engine
-            still accumulates them (ZeRO 0, 1 and 3, when the windows differ): trained, never applied; those of the
-            engine's last window, which never closes, are counted in ``unapplied_micro_batches`` instead.
-    """
-
-    plan: RunPlan
-    behaviour: StackBehaviour
-    policy: Policy
-    planned_steps: int
-    epochs: List[EpochForecast] = field(default_factory=list)
-    unapplied_micro_batches: int = 0
-    reachable_steps: Optional[int] = None
-    epochs_to_run: int = 0
-    stopped_by_plan: bool = False
-    micro_batch_weight: float = 1.0
-    straddling: List[int] = field(default_factory=list)
-    wiped_micro_batches: int = 0
-    resume_shift: Optional[ResumeShift] = None
-
-    @property
-    def trainer_steps(self) -> int:
-        return self.epochs[-1].trainer_steps if self.epochs else self.plan.trainer_steps_at_start
-
-    @property
-    def engine_steps(self) -> int:
-        return self.epochs[-1].engine_steps if self.epochs else self.plan.engine_steps_at_start
-
-    @property
-    def drift(self) -> int:
-        return self.trainer_steps - self.engine_steps
-
-    @property
-    def inherited_drift(self) -> int:
-        return self.plan.trainer_steps_at_start - self.plan.engine_steps_at_start
-
-    @property
-    def aligned(self) -> bool:
-        """No epoch ends with a drift other than the one inherited at the start."""
-        return all(row.drift == self.inherited_drift for row in self.epochs) and self.drift == self.inherited_drift
-
-    @property
-    def micro_batches(self) -> int:
-        return sum(row.micro_batches for row in self.epochs)
-
-    @property
-    def dropped_micro_batches(self) -> int:
-        return sum(row.dropped for row in self.epochs)
-
-    @property
-    def sound(self) -> bool:
-        """Both sides agree, every update is what the framework means by one, and the run ends where asked."""
-        return self.aligned and not explain.what_the_updates_miss(self) and self.ends_early() is None
-
-    def ends_early(self) -> Optional[str]:
-        """Why the run ends before the epochs (or the ``max_steps``) asked for, in words; None when it does not."""
-        return explain.ends_early(self)
-
-    def verdict(self) -> str:
-        """One line: aligned, or affected with the reason and the remedy; then an early end, if any."""
-        return explain.verdict(self)
-
-    def to_dict(self) -> dict:
-        """A JSON-ready summary (the shape ``stepsync check --json`` prints)."""
-        return explain.forecast_dict(self)
 
 
 @dataclass

@@ -8,8 +8,10 @@ Pure Python: reads installed versions from package metadata and never imports th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from .errors import UnsupportedVersion
+from .frameworks import LIGHTNING
 from .versions import (
     DEEPSPEED_FEATURES,
     NEWEST,
@@ -60,9 +62,17 @@ FABRIC_ZERO12_ROWS = (
 )
 
 
-def fabric_zero12(deepspeed: str) -> str:
-    """What ZeRO 1 and 2 do in a Fabric loop on this DeepSpeed: "accumulates", "fails" or "keeps_the_last"."""
-    return next(row.behaviour for row in FABRIC_ZERO12_ROWS if row.covers(deepspeed))
+class FabricZero12(str, Enum):
+    """What ZeRO 1 and 2 do in a Fabric loop, by DeepSpeed release (the rows above say how it was measured)."""
+
+    ACCUMULATES = "accumulates"
+    FAILS = "fails"
+    KEEPS_THE_LAST = "keeps_the_last"
+
+
+def fabric_zero12(deepspeed: str) -> FabricZero12:
+    """What ZeRO 1 and 2 do in a Fabric loop on this DeepSpeed."""
+    return FabricZero12(next(row.behaviour for row in FABRIC_ZERO12_ROWS if row.covers(deepspeed)))
 
 
 @dataclass(frozen=True)
@@ -106,7 +116,7 @@ def lightning_behaviour_of(stack: LightningStack) -> StackBehaviour:
         measured=stack.lightning in MEASURED_LIGHTNING,
         remainder_cut=False,
         caveats=caveats,
-        framework="Lightning",
+        framework=LIGHTNING,
         loss_divisions=2,
         zero_grad_at_its_windows=True,
     )

@@ -6,7 +6,8 @@ from typing import Dict, List, Optional
 
 from .choices import Policy
 from .events import DriftEvent
-from .forecast import Forecast
+from .frameworks import TRAINER, Framework
+from .prediction import Forecast
 from .record import ResumeRecord
 from .relayout import ResumeShift
 
@@ -70,9 +71,12 @@ class SyncReport:
             None. The counts above stay those of the training that happened.
         epochs: both counts at every epoch end of this run (:class:`EpochCount`): the epochs and
             micro-batches really trained.
-        counter: who keeps the first count: ``"Trainer"``, or ``"your loop"`` for :func:`stepsync.watch`.
+        framework: who keeps the first count (:mod:`stepsync.core.frameworks`); ``counter`` is its short name.
         resume_shift: when the run resumed on another layout than it was saved on (ranks, batch, G): the samples
             the Trainer's resume skips and trains twice, per epoch, counted over all ranks.
+        update_flaws: what the updates themselves got wrong beyond the counts, as the forecast the run's counts
+            matched says (each micro-batch's weight, gradients cleared before the engine applied them, windows
+            across epochs); empty when each update trained what the framework means by one.
     """
 
     policy: Policy
@@ -93,8 +97,14 @@ class SyncReport:
     resumed_from: Optional[ResumeRecord] = None
     loaded_checkpoint: Optional[LoadedCheckpoint] = None
     epochs: List[EpochCount] = field(default_factory=list)
-    counter: str = "Trainer"
+    framework: Framework = TRAINER
     resume_shift: Optional[ResumeShift] = None
+    update_flaws: List[str] = field(default_factory=list)
+
+    @property
+    def counter(self) -> str:
+        """Who keeps the first count, short: ``"Trainer"``, ``"Lightning"``, ``"your loop"``."""
+        return self.framework.who
 
     @property
     def micro_batches(self) -> int:
@@ -125,6 +135,7 @@ class SyncReport:
             lines.append(f"trained: {len(self.epochs)} epoch(s), {self.micro_batches} micro-batch(es)")
         if self.resume_shift is not None and not self.resume_shift.exact:
             lines.append(f"resumed on another layout: {self.resume_shift.message()}")
+        lines += [f"updates: {flaw}" for flaw in self.update_flaws]
         lines += [f"drift event: {event.message()}" for event in self.events]
         lines += [f"note: {note}" for note in self.notes]
         if not self.active and self.inactive_reason:
@@ -148,7 +159,8 @@ class SyncReport:
         missed updates."""
         data = asdict(replace(self, forecast=None, events=[], resumed_from=None, resume_shift=None))
         del data["forecast"]
-        data.update(policy=self.policy.value, drift=self.drift, missed_updates=self.missed_updates,
+        data.update(policy=self.policy.value, framework=self.framework.name, counter=self.counter, drift=self.drift,
+                    missed_updates=self.missed_updates,
                     events=[event.to_dict() for event in self.events],
                     dropped_micro_batches={str(k): v for k, v in self.dropped_micro_batches.items()},
                     resumed_from=self.resumed_from.to_dict() if self.resumed_from else None,

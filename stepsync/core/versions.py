@@ -23,6 +23,7 @@ from typing import Any, Optional, Tuple
 from packaging.version import InvalidVersion, Version
 
 from .errors import UnsupportedVersion
+from .frameworks import TRAINER, Framework
 
 NEWEST = "newest"
 OLDEST_SUPPORTED = "4.24.0"
@@ -180,7 +181,7 @@ class StackBehaviour:
         measured: whether the Trainer probe ran on this transformers release.
         remainder_cut: whether the Trainer sizes an epoch's last window from ``num_examples % G``.
         caveats: what the verdict rests on beyond measurement (an inferred release, a pre-release on a boundary).
-        framework: who keeps the first count, in words ("the Trainer", "Lightning").
+        framework: who keeps the first count (:mod:`stepsync.core.frameworks`).
         loss_divisions: how many times the loss is divided by G before its gradients reach the engine (each
             micro-batch then weighs 1 / G ** loss_divisions of its update).
         zero_grad_at_its_windows: the framework clears gradients at the start of each of its own windows (which
@@ -196,15 +197,15 @@ class StackBehaviour:
     measured: bool
     remainder_cut: bool
     caveats: Tuple[str, ...] = ()
-    framework: str = "the Trainer"
+    framework: Framework = TRAINER
     loss_divisions: int = 1
     zero_grad_at_its_windows: bool = False
 
     @property
     def remedy(self) -> str:
         """What a user can do when this stack drifts."""
-        if self.framework == "Lightning":
-            return "use stepsync.lightning.StepSyncCallback(policy='sync')"
+        if self.framework.remedy is not None:
+            return self.framework.remedy
         if self.engine_boundary is EngineBoundary.FOLLOWS_TRAINER:
             return "use StepSyncCallback(policy='realign') to adopt the engine's count"
         if parse_version(self.stack.transformers) >= parse_version("4.47.0"):

@@ -13,7 +13,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from ..core.forecast import EpochForecast, Forecast
+from ..core.prediction import EpochForecast, Forecast
 from ..core.report import DriftEvent, SyncReport
 
 
@@ -42,7 +42,7 @@ def _shown(field: str) -> Callable[[EpochForecast], str]:
 def forecast_table(forecast: Forecast, title: Optional[str] = None) -> Table:
     """One row per epoch: updates counted by each side, the drift; partial windows, drops and cuts when any."""
     plan = forecast.plan
-    who = forecast.behaviour.framework.replace("the ", "")  # "Trainer", "Lightning"
+    who = forecast.behaviour.framework.who
     columns: List[Tuple[str, Callable[[EpochForecast], Any]]] = [
                ("epoch", lambda r: str(r.epoch)), ("micro-\nbatches", lambda r: str(r.micro_batches)),
                (f"{who}\nupdates", lambda r: str(r.trainer_updates)),
@@ -81,9 +81,8 @@ def drift_panel(event: DriftEvent) -> Panel:
                  border_style="red" if event.drift else "green")
 
 
-def events_table(events: Iterable[DriftEvent]) -> Table:
-    events = list(events)
-    who = events[0].counter.split()[0] if events else "Trainer"  # "Trainer", "Lightning", "loop"
+def events_table(events: Iterable[DriftEvent], who: str = "Trainer") -> Table:
+    """One row per change of the drift; ``who`` heads the framework's count (``Framework.who``)."""
     rows = [[str(e.epoch), str(e.micro_batch), e.where.replace("_", " "), str(e.trainer_steps), str(e.engine_steps),
              _drift_text(e.drift), e.cause.name.lower().replace("_", " ")] for e in events]
     return _table("drift events", ["epoch", "micro-\nbatch", "where", who, "engine", "drift", "cause"], rows)
@@ -110,6 +109,8 @@ def summary_view(report: SyncReport) -> Panel:
     if report.dropped_micro_batches:
         total = sum(report.dropped_micro_batches.values())
         lines.append(f"\ndrop_last left {total} micro-batch(es) untrained: {report.dropped_micro_batches}")
+    for flaw in report.update_flaws:
+        lines.append(f"\nupdates: {flaw}", style="yellow")
     if report.unapplied_micro_batches:
         lines.append(f"\n{report.unapplied_micro_batches} micro-batch(es) accumulated by the engine were never applied",
                      style="yellow")
@@ -117,8 +118,8 @@ def summary_view(report: SyncReport) -> Panel:
         lines.append(f"\nnote: {note}")
     parts: List[Any] = [lines]
     if report.events:
-        parts.append(events_table(report.events))
-    troubled = report.drift or (shift is not None and not shift.exact)
+        parts.append(events_table(report.events, report.framework.who))
+    troubled = report.drift or report.update_flaws or (shift is not None and not shift.exact)
     return Panel(Group(*parts), title="stepsync summary", border_style="red" if troubled else "green")
 
 

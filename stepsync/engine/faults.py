@@ -1,42 +1,30 @@
-"""What a failure inside stepsync changes. Steering reads only counters that are equal on every rank, so a fault
-there is the same on every rank and switches stepsync off everywhere; observing (checks, events, messages,
-metrics, records) is where one rank's disk, terminal or handlers fail alone, so a fault there ends observing on
-that rank only and the policy keeps steering. Policy 'raise' stops the run at either."""
+"""What a failure inside stepsync changes, in every adapter alike. Steering reads only counters that are equal on
+every rank, so a fault there is the same on every rank and switches stepsync off everywhere, giving DeepSpeed its
+own boundary back; observing (checks, events, messages, metrics, records) is where one rank's disk, terminal or
+handlers fail alone, so a fault there ends observing on that rank only and the policy keeps steering. Only policy
+'raise' lets either reach the user's code."""
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from ..core.choices import Policy
-from ..core.errors import StepDriftError, StepSyncConfigError
+from ..core.errors import StepSyncError
 from ..core.report import SyncReport
 from ..display.output import logger
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .run import Run
-
-
-def stop_observing(run: Run, where: str, exc: Exception) -> None:
-    """A fault of the observing: no more checks, messages or metrics on this rank; the policy goes on."""
-    reason = f"internal error in {where}: {exc!r}"
-    if run.report.policy is Policy.RAISE:
-        raise exc
-    run.observing = False
-    run.report.active = False
-    run.report.inactive_reason = f"{reason}; stopped observing, policy '{run.report.policy.value}' still acts"
-    logger.error("stopped observing this run on this rank (no more checks, messages or metrics); its policy "
-                 "'%s' goes on acting on training as on every other rank. %s", run.report.policy.value, reason,
-                 exc_info=exc)
+from .run import Run
 
 
 def switch_off(run: Run, reason: str, exc_info: Optional[BaseException] = None) -> None:
-    """Stop everything: observing and steering; the engine decides its boundary again."""
+    """Stop everything: observing and steering; the engine decides its boundary again. Where the engine refuses
+    that too (its boundary setter is what failed), the same one message says so."""
     run.observing = False
-    say_switched_off(run.report, reason, exc_info)
     try:
         run.action.end(run)
-    except Exception:  # the engine is already broken; nothing more to restore
-        logger.debug("could not restore the engine", exc_info=True)
+    except Exception as exc:
+        reason = (f"{reason}; DeepSpeed's own boundary could not be given back ({exc!r}): the engine keeps the last "
+                  "boundary stepsync set")
+    say_switched_off(run.report, reason, exc_info)
 
 
 def say_switched_off(report: SyncReport, reason: str, exc_info: Optional[BaseException] = None) -> None:
@@ -61,10 +49,10 @@ def guarded(steering: bool, needs_run: bool = True):
                 if needs_run:
                     return hook(self, run, *args, **kwargs)
                 return hook(self, *args, **kwargs)
-            except (StepDriftError, StepSyncConfigError):
+            except StepSyncError:
                 raise
             except Exception as exc:
-                return self._failed(hook.__name__, exc, steering)
+                return self._failed(hook.__name__.lstrip("_"), exc, steering)
 
         return wrapper
 
@@ -88,7 +76,16 @@ class Adapter:
                 raise exc
             return
         if self._run is not None:
-            stop_observing(self._run, hook, exc)
+            self._run.stop_observing(hook, exc)
+
+    def _observe(self, where: str, observation, *args) -> None:
+        """An observation of the adapter's own (its metrics): a fault in it ends only the observing."""
+        try:
+            observation(*args)
+        except StepSyncError:
+            raise
+        except Exception as exc:
+            self._failed(where, exc, False)
 
     def _switch_off(self, reason: str, exc_info: Optional[BaseException] = None) -> None:
         run, self._run = self._run, None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..core.forecast import Forecast
+from ..core.prediction import Forecast
 from ..display import render
 from ..display.output import logger
 

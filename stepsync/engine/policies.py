@@ -1,87 +1,23 @@
-"""One small class per policy. The run asks its action at fixed points; the action answers with a
-:class:`Steering` (what the framework must change) or None, and never touches the framework itself.
+"""One small class per policy (the vocabulary they share is :mod:`stepsync.engine.steering`).
 
 An action that cannot serve the run says so by returning a :class:`Steering` whose ``replacement`` is the
 action that takes over from then on.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Optional, Type
+from typing import Dict, Optional, Type
 
 from ..core import rules
 from ..core.choices import Policy
 from ..core.errors import StepDriftError, StepSyncConfigError
+from ..core.events import DriftEvent
 from ..core.forecast import forecast
 from ..core.versions import EngineBoundary
 from .deepspeed import BoundaryOverride
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..core.events import DriftEvent
-    from .run import Run
+from .steering import AT_DRIFT, AT_UPDATES, EVERY_MICRO_BATCH, NEVER, PolicyAction, RunView, Steering
 
 
-NEVER, AT_DRIFT, AT_UPDATES, EVERY_MICRO_BATCH = 0, 1, 2, 3
-
-
-@dataclass(frozen=True)
-class Steering:
-    """What the framework must change in its own loop, decided by the policy.
-
-    Attributes:
-        trainer_steps: set the framework's update count to this (``realign``).
-        decide_flow_again: the framework's log/evaluate/save decision was taken on the old count: take it again
-            on the new one (``realign``, when the engine made an update).
-        end_epoch: end the epoch now (``drop_last``).
-        max_steps: set the framework's planned updates to this (``realign`` and ``drop_last`` at the start).
-        replacement: the action that acts from now on (a fallback, or a remedy with nothing to do here).
-    """
-
-    trainer_steps: Optional[int] = None
-    decide_flow_again: bool = False
-    end_epoch: bool = False
-    max_steps: Optional[int] = None
-    replacement: Optional[PolicyAction] = None
-
-
-class PolicyAction:
-    """Watch only. Subclasses override the points where they act."""
-
-    policy = Policy.WARN
-    # When the run calls after_micro_batch: NEVER (watching only), AT_DRIFT (where the framework counted an update
-    # and the counts differ), AT_UPDATES (where the framework counted an update), or EVERY_MICRO_BATCH.
-    steers = NEVER
-
-    def begin(self, run: Run) -> Optional[Steering]:
-        """At the start of training, after the forecast."""
-        return None
-
-    def before_epoch(self, run: Run) -> None:
-        """Before the epoch's first micro-batch (at ``run.position + 1``) runs."""
-
-    def after_micro_batch(self, run: Run, trainer_updated: bool, engine_updated: bool,
-                          trainer_steps: int) -> Optional[Steering]:
-        """After a micro-batch (each one under ``EVERY_MICRO_BATCH``, those where the framework counted an update
-        under ``AT_UPDATES``), before the drift check. An action that steers every micro-batch prepares the next
-        one here."""
-        return None
-
-    def at_epoch_end(self, run: Run, trainer_steps: int) -> Optional[Steering]:
-        """At the epoch's end, before the drift check."""
-        return None
-
-    def on_drift(self, event: DriftEvent) -> None:
-        """When the drift changes."""
-
-    def end(self, run: Run) -> None:
-        """At the end of training or when stepsync switches itself off: leave the engine as it was."""
-
-    def last_position(self, run: Run) -> Optional[int]:
-        """The position after which the epoch ends (``run.n`` unless the policy ends it earlier)."""
-        return run.n
-
-
-def lowered_plan(run: Run, policy: Policy, reaching: str) -> Optional[Steering]:
+def lowered_plan(run: RunView, policy: Policy, reaching: str) -> Optional[Steering]:
     """The Trainer's ``max_steps`` lowered to the count ``policy`` ends at, when that is below the plan.
 
     The Trainer's end of training (last save and evaluation, a full progress bar) waits for
@@ -116,7 +52,7 @@ class RealignAction(PolicyAction):
     policy = Policy.REALIGN
     steers = AT_DRIFT
 
-    def begin(self, run: Run) -> Optional[Steering]:
+    def begin(self, run: RunView) -> Optional[Steering]:
         if run.behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER and not run.report.inherited_drift:
             run.note("policy 'realign' does nothing here: this accelerate already makes the engine update where "
                      "the Trainer counts (accelerate >= 1.8.0); it would only correct a drift from a checkpoint")
@@ -149,11 +85,9 @@ class SyncAction(PolicyAction):
         self.next_update = 0  # the position (1-based, in this epoch) of the Trainer's next update
         self.n = 0
 
-    def begin(self, run: Run) -> Optional[Steering]:
+    def begin(self, run: RunView) -> Optional[Steering]:
         if run.behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER:
-            run.note("policy 'sync' does nothing here: this accelerate already sets DeepSpeed's boundary "
-                     "from the Trainer's (accelerate >= 1.8.0)")
-            return Steering(replacement=WatchOnly(Policy.SYNC))
+            return nothing_to_sync(run)
         if not run.facts.can_override_boundary:
             return fall_back(run, f"policy 'sync' cannot steer this engine: {run.facts.why_not}")
         if run.n is None:
@@ -162,11 +96,11 @@ class SyncAction(PolicyAction):
         self.override = BoundaryOverride(run.engine)
         return None
 
-    def before_epoch(self, run: Run) -> None:
+    def before_epoch(self, run: RunView) -> None:
         self.next_update = 0
         self._prepare(run)
 
-    def _prepare(self, run: Run) -> None:
+    def _prepare(self, run: RunView) -> None:
         """Set the engine's boundary for the micro-batch at ``run.position + 1``."""
         override = self.override
         if override is None:  # begin() handed the run to another action
@@ -194,9 +128,42 @@ class SyncAction(PolicyAction):
         now = realign.after_micro_batch(run, trainer_updated, engine_updated, trainer_steps) or Steering()
         return Steering(now.trainer_steps, now.decide_flow_again, max_steps=fallen.max_steps, replacement=realign)
 
-    def end(self, run: Run) -> None:
+    def sets_the_boundary(self) -> bool:
+        return self.override is not None
+
+    def end(self, run: RunView) -> None:
         if self.override is not None:
             self.override.restore()
+
+
+class FollowTheLoop(SyncAction):
+    """``sync`` for a loop that says itself where its windows end (accelerate's ``sync_gradients``, Fabric's
+    ``no_backward_sync``): the engine's boundary is set from that word before each micro-batch. A loop's count
+    cannot be realigned, so an engine that cannot be steered is refused at the start."""
+
+    steers = NEVER
+
+    def begin(self, run: RunView) -> Optional[Steering]:
+        if run.behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER:
+            return nothing_to_sync(run)
+        if not run.facts.can_override_boundary:
+            raise StepSyncConfigError(f"policy 'sync' cannot steer this engine: {run.facts.why_not}; use "
+                                      "policy='warn'")
+        self.override = BoundaryOverride(run.engine)
+        return None
+
+    def before_epoch(self, run: RunView) -> None:
+        """The loop's own word comes before each micro-batch."""
+
+    def before_micro_batch(self, run: RunView, ends_window: bool) -> None:
+        if self.override is not None:
+            self.override.set(ends_window)
+
+
+def nothing_to_sync(run: RunView) -> Steering:
+    run.note(f"policy 'sync' does nothing here: this accelerate already makes DeepSpeed's boundary follow "
+             f"{run.report.framework.name} (accelerate >= 1.8.0)")
+    return Steering(replacement=WatchOnly(Policy.SYNC))
 
 
 class DropLastAction(PolicyAction):
@@ -208,7 +175,7 @@ class DropLastAction(PolicyAction):
     def __init__(self) -> None:
         self.last_full_window: Optional[int] = None
 
-    def begin(self, run: Run) -> Optional[Steering]:
+    def begin(self, run: RunView) -> Optional[Steering]:
         if run.n is None:
             run.note("policy 'drop_last' needs len(train_dataloader); without it no window is dropped")
             return Steering(replacement=WatchOnly(Policy.DROP_LAST))
@@ -223,12 +190,12 @@ class DropLastAction(PolicyAction):
         self.last_full_window = (run.n // run.g) * run.g
         return lowered_plan(run, self.policy, "whole windows give")
 
-    def last_position(self, run: Run) -> Optional[int]:
+    def last_position(self, run: RunView) -> Optional[int]:
         return self.last_full_window
 
     def after_micro_batch(self, run, trainer_updated, engine_updated, trainer_steps):
         if trainer_updated and self.last_full_window <= run.position < run.n:
-            run.report.dropped_micro_batches[run.epoch + 1] = run.n - run.position
+            run.drop(run.epoch + 1, run.n - run.position)
             return Steering(end_epoch=True)
         return None
 
@@ -240,7 +207,7 @@ class WatchOnly(PolicyAction):
         self.policy = policy
 
 
-def fall_back(run: Run, reason: Optional[str]) -> Steering:
+def fall_back(run: RunView, reason: Optional[str]) -> Steering:
     """Hand the run to ``realign`` for the rest of it, never silently drifting on."""
     if reason:
         run.error(f"{reason}; falling back to policy 'realign'")
@@ -263,6 +230,6 @@ def action_for(policy: Policy) -> PolicyAction:
     return ACTIONS[policy]()
 
 
-def watching_action(policy: Policy) -> PolicyAction:
-    """The action of a run whose adapter steers the engine itself: it only watches, and raises under 'raise'."""
-    return action_for(Policy.RAISE if policy is Policy.RAISE else Policy.WARN)
+def loop_action_for(policy: Policy) -> PolicyAction:
+    """The action of a loop's run: ``sync`` follows the loop's own word on its windows; the others as anywhere."""
+    return FollowTheLoop() if policy is Policy.SYNC else action_for(policy)

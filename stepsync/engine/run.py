@@ -1,27 +1,28 @@
 """One watched run: where it is, what the engine did, the policy's decisions and the checks of both counts.
 
-Every framework adapter drives a :class:`Run` the same way: it builds one when training starts, calls it once
-per event with the count its framework keeps, and applies the :class:`~stepsync.engine.policies.Steering` it
-gets back. The run owns its report, its output and its policy's action; it never calls the adapter.
+Every framework adapter drives a :class:`Run` the same way: :func:`stepsync.engine.lifecycle.open_run` builds one
+when training starts, the adapter calls it once per event with the count its framework keeps and applies the
+:class:`~stepsync.engine.steering.Steering` it gets back, and :func:`~stepsync.engine.lifecycle.close_run` ends it.
+The run owns its report, its output and its policy's action; it never calls the adapter.
 """
 from __future__ import annotations
 
 import logging
 from typing import Any, Optional
 
-from ..core.errors import StepDriftError, StepSyncConfigError
+from ..core.choices import Policy
+from ..core.errors import StepSyncError
 from ..core.events import Cause, DriftEvent
-from ..core.forecast import Forecast
 from ..core.plan import RunPlan
+from ..core.prediction import Forecast
 from ..core.relayout import Layout
 from ..core.report import EpochCount, SyncReport
 from ..core.versions import StackBehaviour
 from ..display import render
 from ..display.output import ConsoleOutput, logger
 from .deepspeed import engine_facts
-from .faults import stop_observing
 from .messages import Messages
-from .policies import AT_DRIFT, EVERY_MICRO_BATCH, PolicyAction, Steering, action_for
+from .steering import AT_DRIFT, EVERY_MICRO_BATCH, PolicyAction, Steering
 
 
 class Run(Messages):
@@ -32,13 +33,12 @@ class Run(Messages):
         behaviour: what the installed releases do.
         n: micro-batches per epoch on one rank (None when the dataloader has no length).
         g: gradient accumulation steps.
-        report: the report this run fills.
+        report: the report this run fills (its ``framework`` names the count in every event).
         output: where the rich views are drawn.
-        counter: what the framework's count is called in messages (``"Trainer global_step"``).
+        action: what acts for the policy.
         start_epoch, skip: where a resumed run starts (0-based epoch, micro-batches already done in it).
         is_main: whether this rank speaks (messages, views).
         plan: what the forecast is made from (None without a dataloader length).
-        action: what acts for the policy (default: the report's policy's own action).
         checks_every_micro_batch: compare both counts after every micro-batch, not only where the framework
             counted an update (an engine ahead of it shows between its updates).
         layout: how the run splits its data (ranks, batch, G, dataset length), kept in every record.
@@ -65,13 +65,12 @@ class Run(Messages):
     # What every micro-batch reads comes first: it shares the object's first cache lines.
     __slots__ = ("position", "engine", "engine_steps_seen", "since_engine_update", "steers", "observing", "report",
                  "last_drift", "trainer_steps_seen", "action", "engine_at_last_update", "engine_moved_in_window",
-                 "facts", "behaviour", "n", "g", "output", "counter", "is_main", "plan", "epoch", "start_epoch", "skip",
+                 "facts", "behaviour", "n", "g", "output", "is_main", "plan", "epoch", "start_epoch", "skip",
                  "done_before_epoch", "t_before_epoch", "remedy", "known_cause", "checks_every_micro_batch", "layout")
 
     def __init__(self, engine: Any, behaviour: StackBehaviour, n: Optional[int], g: int, report: SyncReport,
-                 output: ConsoleOutput, counter: str = "Trainer global_step", start_epoch: int = 0, skip: int = 0,
-                 is_main: bool = True, plan: Optional[RunPlan] = None,
-                 action: Optional[PolicyAction] = None, checks_every_micro_batch: bool = False,
+                 output: ConsoleOutput, action: PolicyAction, start_epoch: int = 0, skip: int = 0,
+                 is_main: bool = True, plan: Optional[RunPlan] = None, checks_every_micro_batch: bool = False,
                  layout: Optional[Layout] = None) -> None:
         self.engine = engine
         self.facts = engine_facts(engine)
@@ -80,10 +79,9 @@ class Run(Messages):
         self.g = g
         self.report = report
         self.output = output
-        self.counter = counter
         self.is_main = is_main
         self.plan = plan
-        self.action: PolicyAction = action or action_for(report.policy)
+        self.action = action
         self.steers = self.action.steers
         self.epoch = start_epoch - 1
         self.start_epoch = start_epoch
@@ -120,6 +118,10 @@ class Run(Messages):
     def _first_position(self) -> int:
         """Where this epoch's training began: after the skipped micro-batches of a resumed epoch, else at 0."""
         return self.skip if self.epoch == self.start_epoch else 0
+
+    def before_micro_batch(self, ends_window: bool) -> None:
+        """A loop's own word on the micro-batch about to run: whether it ends the loop's window."""
+        self.action.before_micro_batch(self, ends_window)
 
     def after_micro_batch(self, trainer_updated: bool, trainer_steps: int) -> Optional[Steering]:
         """One micro-batch is done (``trainer_updated``: the framework counted an update at it, reaching
@@ -206,7 +208,7 @@ class Run(Messages):
             cause=self._cause(where, drift),
             remedy=remedy or self.remedy,
             where=where,
-            counter=self.counter,
+            counter=report.framework.counter,
         )
         self.last_drift = drift
         report.events.append(event)
@@ -247,11 +249,28 @@ class Run(Messages):
                 why = f"because of the {self.known_cause.value}" if self.known_cause else "please report this stack"
                 logger.warning("%s; %s", text, why)
 
+    def drop(self, epoch: int, micro_batches: int) -> None:
+        """``micro_batches`` of (1-based) ``epoch`` are left untrained by the policy."""
+        self.report.dropped_micro_batches[epoch] = micro_batches
+
     def _observe(self, observation, *args) -> None:
         """Run one observation; a fault in it ends observing on this rank and never changes the steering."""
         try:
             observation(*args)
-        except (StepDriftError, StepSyncConfigError):
+        except StepSyncError:
             raise
         except Exception as exc:
-            stop_observing(self, getattr(observation, "__name__", "a check").lstrip("_"), exc)
+            self.stop_observing(getattr(observation, "__name__", "a check").lstrip("_"), exc)
+
+    def stop_observing(self, where: str, exc: Exception) -> None:
+        """A fault of the observing: no more checks, messages or metrics on this rank; the policy goes on (policy
+        'raise' stops the run instead)."""
+        reason = f"internal error in {where}: {exc!r}"
+        if self.report.policy is Policy.RAISE:
+            raise exc
+        self.observing = False
+        self.report.active = False
+        self.report.inactive_reason = f"{reason}; stopped observing, policy '{self.report.policy.value}' still acts"
+        logger.error("stopped observing this run on this rank (no more checks, messages or metrics); its policy "
+                     "'%s' goes on acting on training as on every other rank. %s", self.report.policy.value, reason,
+                     exc_info=exc)

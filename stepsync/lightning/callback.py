@@ -2,28 +2,23 @@
 :class:`~stepsync.engine.run.Run` and applies what it decides to Lightning's loop and DeepSpeed's engine."""
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional, Union
 
 from lightning.pytorch import Callback
 
 from ..core.choices import Policy
 from ..core.errors import StepSyncConfigError, UnsupportedVersion
-from ..core.forecast import forecast
+from ..core.frameworks import LIGHTNING
 from ..core.lightning_versions import LightningStack, lightning_behaviour_of
 from ..core.plan import RunPlan
 from ..core.record import ResumeRecord
-from ..core.report import SyncReport
-from ..display.output import ConsoleOutput, logger
+from ..display.output import ConsoleOutput
 from ..engine.faults import Adapter, guarded
-from ..engine.policies import WatchOnly
-from ..engine.resume import continue_from, record_of
+from ..engine.lifecycle import RunStart, close_run, idle_report, open_run
+from ..engine.policies import WatchOnly, action_for
+from ..engine.resume import record_of
 from ..engine.run import Run
 from . import lightning as lightning_facts
-
-REFUSED = {Policy.REALIGN: "policy 'realign' cannot apply to Lightning: its global_step is derived from its loop's "
-                           "progress counters, which a callback cannot set; use policy='sync' (the engine follows "
-                           "Lightning) or policy='drop_last'"}
 
 
 class StepSyncCallback(Callback, Adapter):
@@ -59,9 +54,9 @@ class StepSyncCallback(Callback, Adapter):
     """
 
     def __init__(self, policy: Union[str, Policy] = Policy.WARN, console: Any = None) -> None:
-        self.policy = Policy.parse(policy, refused=REFUSED)
+        self.policy = LIGHTNING.parse_policy(policy)
         self.output = ConsoleOutput(console)
-        self.report = SyncReport(self.policy, counter="Lightning")
+        self.report = idle_report(LIGHTNING, self.policy)
         self._run: Optional[Run] = None
         self._saved: Optional[dict] = None
         self._trainer: Any = None
@@ -86,14 +81,18 @@ class StepSyncCallback(Callback, Adapter):
     @guarded(steering=True, needs_run=False)
     def on_train_start(self, trainer, pl_module) -> None:
         self._run, self._start, self._trainer = None, None, trainer
-        self.report = SyncReport(self.policy, counter="Lightning")
+        self.report = idle_report(LIGHTNING, self.policy)
         engine = lightning_facts.deepspeed_engine(trainer)
         if engine is None:
-            return self._deactivate("the Lightning Trainer does not use DeepSpeed: nothing to check", trainer)
+            self.report = idle_report(LIGHTNING, self.policy, "the Lightning Trainer does not use DeepSpeed: nothing "
+                                      "to check", speaks=trainer.is_global_zero)
+            return
         try:
             behaviour = lightning_behaviour_of(LightningStack.installed())
         except UnsupportedVersion as exc:
-            return self._deactivate(f"{exc}; stepsync cannot check this run", trainer)
+            self.report = idle_report(LIGHTNING, self.policy, f"{exc}; stepsync cannot check this run",
+                                      speaks=trainer.is_global_zero)
+            return
         n, g = lightning_facts.batches_per_epoch(trainer), int(trainer.accumulate_grad_batches)
         if self.policy is Policy.SYNC and n is None:
             raise StepSyncConfigError("policy 'sync' needs the train dataloader's length to know where Lightning "
@@ -119,25 +118,18 @@ class StepSyncCallback(Callback, Adapter):
             n, g, trainer.max_epochs if trainer.max_epochs is not None else -1, trainer.max_steps,
             trainer.global_step, engine.global_steps, zero_stage=lightning_facts.zero_stage(trainer.strategy),
             start=(epoch, batch_idx))
-        run = Run(engine, behaviour, self._batches or n, g, self.report, self.output, counter="Lightning global_step",
-                  start_epoch=epoch, skip=batch_idx, is_main=trainer.is_global_zero, plan=plan,
-                  action=WatchOnly(Policy.DROP_LAST) if self.policy is Policy.DROP_LAST else None,
-                  checks_every_micro_batch=True)
-        self._run, self._last_count, self._epoch_open = run, trainer.global_step, False
-        self.report.active = True
-        run.state_what_differs("Lightning's accumulate_grad_batches")
+        # drop_last ends Lightning's epochs itself (before they start): the run's action only watches
+        action = WatchOnly(Policy.DROP_LAST) if self.policy is Policy.DROP_LAST else action_for(self.policy)
+        self._last_count = trainer.global_step
+        open_run(RunStart(LIGHTNING, self.policy, engine, behaviour, self._batches or n, g, self.output,
+                          is_main=trainer.is_global_zero, trainer_steps=trainer.global_step, planned_by_forecast=True,
+                          plan=plan, start_epoch=epoch, skip=batch_idx, action=action, checks_every_micro_batch=True,
+                          record=None if self._saved is None else ResumeRecord.from_dict(self._saved)), self._keep)
+
+    def _keep(self, run: Run) -> None:
+        self._run, self.report, self._epoch_open = run, run.report, False
         if self.policy is Policy.SYNC and run.facts.can_override_boundary:
-            self._train_batch_size = lightning_facts.scale_the_loss_once(engine)
-        run.begin()
-        self.report.trainer_steps, self.report.engine_steps = trainer.global_step, engine.global_steps
-        self.report.inherited_drift = self.report.drift
-        if plan is not None:
-            predicted = forecast(plan, behaviour, self.report.policy)
-            self.report.planned_steps = predicted.planned_steps
-            run.announce(predicted)
-        if self._saved is not None:
-            continue_from(run, ResumeRecord.from_dict(self._saved))
-        run.check(trainer.global_step, "train_begin")
+            self._train_batch_size = lightning_facts.scale_the_loss_once(run.engine)
 
     def _whole_windows(self, n: Optional[int], g: int) -> int:
         """Micro-batches per epoch this policy trains: the whole windows under sync and drop_last, else 0 (all)."""
@@ -164,27 +156,22 @@ class StepSyncCallback(Callback, Adapter):
         self._last_count = count
         run.after_micro_batch(updated, count)  # no steering reaches Lightning's loop: it is set before the epoch
         if updated and run.observing:
-            try:
-                lightning_facts.add_metrics(pl_module, count, run.engine_steps_seen)
-            except Exception as exc:
-                self._failed("on_train_batch_end", exc, False)
+            self._observe("on_train_batch_end", lightning_facts.add_metrics, pl_module, count, run.engine_steps_seen)
 
     @guarded(steering=True)
     def on_train_epoch_end(self, run: Run, trainer, pl_module) -> None:
         if self._dropped and run.position >= self._batches:
-            self.report.dropped_micro_batches[run.epoch + 1] = self._dropped
+            run.drop(run.epoch + 1, self._dropped)
         run.end_epoch(trainer.global_step)
 
-    @guarded(steering=True)
-    def on_train_end(self, run: Run, trainer, pl_module) -> None:
-        self.report.finished = True
-        run.finish(trainer.global_step)
+    @guarded(steering=True, needs_run=False)
+    def on_train_end(self, trainer, pl_module) -> None:
+        run = self._run
         self._undo_steering()
         steps = lightning_facts.scheduler_steps(trainer)
-        if steps is not None and steps != trainer.global_step and run.observing:
+        if run is not None and run.observing and steps is not None and steps != trainer.global_step:
             run.note(f"Lightning stepped the LR scheduler {steps} times for its {trainer.global_step} updates")
-        if run.observing:
-            run.summarize()
+        close_run(self.report, run, trainer.global_step)
 
     # ----------------------------------------------------------------- logic
 
@@ -193,9 +180,3 @@ class StepSyncCallback(Callback, Adapter):
         engine = lightning_facts.deepspeed_engine(self._trainer) if size is not None else None
         if engine is not None:
             engine.set_train_batch_size(size)  # DeepSpeed divides the loss by G again
-
-    def _deactivate(self, reason: str, trainer) -> None:
-        self.report.active = False
-        self.report.inactive_reason = reason
-        if trainer.is_global_zero:
-            logger.log(logging.INFO, "%s", reason)

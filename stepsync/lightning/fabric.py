@@ -16,26 +16,25 @@ The watch wraps the Fabric instance's ``backward`` and ``no_backward_sync`` and 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import logging
 from typing import Any, Optional, Union
 
 from ..core.choices import Policy
-from ..core.errors import StepSyncConfigError
+from ..core.errors import StepSyncConfigError, UnsupportedVersion
 from ..core.events import Cause
-from ..core.lightning_versions import LightningStack, fabric_zero12, lightning_behaviour_of
+from ..core.frameworks import FABRIC_LOOP
+from ..core.lightning_versions import FabricZero12, LightningStack, fabric_zero12, lightning_behaviour_of
 from ..core.report import SyncReport
-from ..display.output import ConsoleOutput, logger
-from ..engine.deepspeed import BoundaryOverride, is_engine
-from ..engine.faults import Adapter
+from ..display.output import ConsoleOutput
+from ..engine.faults import Adapter, guarded
+from ..engine.lifecycle import RunStart, close_run, idle_report, open_run
 from ..engine.loop_objects import InstancePatches, length_of
-from ..engine.policies import watching_action
+from ..engine.policies import loop_action_for
 from ..engine.run import Run
 from . import lightning as lightning_facts
 
-REFUSED = {
-    Policy.REALIGN: "policy 'realign' cannot change your loop's own count: use policy='sync' or 'warn'",
-    Policy.DROP_LAST: "policy 'drop_last' cannot end your dataloader's epochs early: use policy='sync' or 'warn'",
-}
 NEVER_STEPPED = ("Fabric's optimizer.step() steps DeepSpeed's optimizer directly and never calls engine.step(): the "
                  "engine's global_steps stays at {engine} while your loop made {loop} update(s), its LR scheduler "
                  "never steps and its checkpoints are all tagged global_step{engine}; use policy='sync', or call "
@@ -49,22 +48,23 @@ FAILS = ("with gradient_accumulation_steps={gas} in the DeepSpeed config, ZeRO-{
 
 
 class FabricWatch(Adapter):
-    """Watches one Fabric loop on DeepSpeed; made by :func:`watch`. A context manager, or call :meth:`close`."""
+    """Watches one Fabric loop on DeepSpeed; made by :func:`watch`. A context manager, or call :meth:`close`.
+
+    A failure inside stepsync never reaches your loop (it is logged once, and a failure of its steering gives
+    DeepSpeed and ``optimizer.step()`` their own behaviour back), except under ``policy="raise"``."""
 
     def __init__(self, fabric: Any, model: Any, optimizer: Any, policy: Policy, dataloader: Any, console: Any):
         self.fabric, self.optimizer, self.policy = fabric, optimizer, policy
         self.output = ConsoleOutput(console)
-        self.report = SyncReport(policy, counter="your loop")
+        self.report = idle_report(FABRIC_LOOP, policy)
         self.loop_steps = 0
         self._run: Optional[Run] = None
-        self._override: Optional[BoundaryOverride] = None
         self._ends_window: Optional[bool] = None  # what the loop's last no_backward_sync said of this micro-batch
         self._reported_micro_batch = True  # the last backward's micro-batch is in the run's count
         self._patches = InstancePatches()
-        engine = getattr(model, "_forward_module", None)
-        if not lightning_facts.uses_deepspeed(getattr(fabric, "strategy", None)) or not is_engine(engine):
-            self.report.inactive_reason = "this Fabric does not use DeepSpeed: nothing to check"
-            logger.info("%s", self.report.inactive_reason)
+        engine = lightning_facts.fabric_engine(fabric, model)
+        if engine is None:
+            self.report = idle_report(FABRIC_LOOP, policy, "this Fabric does not use DeepSpeed: nothing to check")
             return
         self._start(engine, dataloader)
 
@@ -72,34 +72,38 @@ class FabricWatch(Adapter):
         stage = lightning_facts.zero_stage(self.fabric.strategy) or 0
         gas = engine.gradient_accumulation_steps()
         stack = LightningStack.installed()
-        run = self._run = Run(engine, lightning_behaviour_of(stack), length_of(dataloader), gas, self.report,
-                              self.output, counter="your loop's optimizer.step() count",
-                              is_main=bool(getattr(self.fabric, "is_global_zero", True)),
-                              action=watching_action(self.policy))
-        run.known_cause = Cause.ENGINE_NOT_STEPPED
-        run.remedy = "use stepsync.lightning.watch(fabric, ..., policy='sync')"
-        self.report.active = True
+        try:
+            behaviour = dataclasses.replace(lightning_behaviour_of(stack), framework=FABRIC_LOOP)
+        except UnsupportedVersion as exc:
+            self.report = idle_report(FABRIC_LOOP, self.policy, f"{exc}; stepsync cannot check this run",
+                                      logging.WARNING)
+            return
         zero12 = fabric_zero12(stack.deepspeed) if stage in (1, 2) else None
-        if zero12 in ("fails", "keeps_the_last") and (gas > 1 or zero12 == "fails"):
-            text = FAILS.format(gas=gas, stage=stage, deepspeed=stack.deepspeed)
+        warning = None
+        if zero12 in (FabricZero12.FAILS, FabricZero12.KEEPS_THE_LAST) and (gas > 1 or zero12 is FabricZero12.FAILS):
+            warning = FAILS.format(gas=gas, stage=stage, deepspeed=stack.deepspeed)
             if self.policy is not Policy.WARN:
-                raise StepSyncConfigError(text)
-            run.warn(text)
-        elif zero12 == "keeps_the_last" and self.policy is not Policy.SYNC:
-            run.warn(LOSES_GRADIENTS.format(stage=stage))
-        if self.policy is Policy.SYNC:
-            if not run.facts.can_override_boundary:
-                raise StepSyncConfigError(f"policy 'sync' cannot steer this engine: {run.facts.why_not}")
-            self._override = BoundaryOverride(engine)
-        self._wrap(run)
+                raise StepSyncConfigError(warning)
+        elif zero12 is FabricZero12.KEEPS_THE_LAST and self.policy is not Policy.SYNC:
+            warning = LOSES_GRADIENTS.format(stage=stage)
+        run, _ = open_run(RunStart(FABRIC_LOOP, self.policy, engine, behaviour, length_of(dataloader), gas,
+                                   self.output, is_main=bool(getattr(self.fabric, "is_global_zero", True)),
+                                   action=loop_action_for(self.policy)), self._keep)
+        if warning:
+            run.warn(warning)
+        self._wrap()
 
-    def _wrap(self, run: Run) -> None:
+    def _keep(self, run: Run) -> None:
+        self._run, self.report = run, run.report
+        run.known_cause = Cause.ENGINE_NOT_STEPPED
+
+    def _wrap(self) -> None:
         fabric, optimizer = self.fabric, self.optimizer
         backward, no_backward_sync, step = fabric.backward, fabric.no_backward_sync, optimizer.step
 
         @functools.wraps(backward)
         def watched_backward(tensor, *args, **kwargs):
-            self._before_backward(run)
+            self._before_backward()
             return backward(tensor, *args, **kwargs)
 
         @contextlib.contextmanager
@@ -110,14 +114,17 @@ class FabricWatch(Adapter):
 
         @functools.wraps(step)
         def watched_step(*args, **kwargs):
-            result = run.engine.step() if self._override is not None else step(*args, **kwargs)
-            self._after_step(run)
+            run = self._run
+            # Under sync the engine makes the update the loop asks for; switched off, Fabric's own step is back.
+            result = run.engine.step() if run is not None and run.action.sets_the_boundary() else step(*args, **kwargs)
+            self._after_step()
             return result
 
         self._patches.set(fabric, "backward", watched_backward)
         self._patches.set(fabric, "no_backward_sync", watched_no_backward_sync)
         self._patches.set(optimizer, "step", watched_step)
 
+    @guarded(steering=True)
     def _before_backward(self, run: Run) -> None:
         if not self._reported_micro_batch:  # the previous micro-batch ended without an optimizer.step()
             run.after_micro_batch(False, self.loop_steps)
@@ -127,13 +134,13 @@ class FabricWatch(Adapter):
             run.end_epoch(self.loop_steps)
             run.begin_epoch()
         self._reported_micro_batch = False
-        if self._override is not None:
-            if self._ends_window is None:
-                raise StepSyncConfigError("policy 'sync' needs your loop's fabric.no_backward_sync(model, "
-                                          "enabled=...) around each backward, to know which micro-batch ends a window")
-            self._override.set(self._ends_window)
-        self._ends_window = None
+        ends_window, self._ends_window = self._ends_window, None
+        if run.action.sets_the_boundary() and ends_window is None:
+            raise StepSyncConfigError("policy 'sync' needs your loop's fabric.no_backward_sync(model, enabled=...) "
+                                      "around each backward, to know which micro-batch ends a window")
+        run.before_micro_batch(bool(ends_window))
 
+    @guarded(steering=True)
     def _after_step(self, run: Run) -> None:
         self.loop_steps += 1
         self._reported_micro_batch = True
@@ -142,20 +149,22 @@ class FabricWatch(Adapter):
             run.warn(NEVER_STEPPED.format(engine=0, loop=1))
 
     def close(self) -> SyncReport:
-        """Give ``backward``, ``no_backward_sync``, ``step`` and the engine's boundary back; the report is final."""
+        """Give ``backward``, ``no_backward_sync``, ``step`` and the engine's boundary back; the report is final.
+        Closing twice changes nothing."""
         self._patches.restore()
-        if self._override is not None:
-            self._override.restore()
+        if not self.report.finished:
+            self._close()
+        return self.report
+
+    @guarded(steering=True, needs_run=False)
+    def _close(self) -> None:
         run = self._run
-        if run is not None and not self.report.finished:
+        if run is not None:
             if not self._reported_micro_batch:
                 run.after_micro_batch(False, self.loop_steps)
             if run.n is not None and run.position >= run.n:
                 run.end_epoch(self.loop_steps)
-            run.finish(self.loop_steps)
-            self.report.finished = True
-            run.summarize()
-        return self.report
+        close_run(self.report, run, self.loop_steps)
 
     def __enter__(self) -> FabricWatch:
         return self
@@ -188,4 +197,4 @@ def watch(fabric: Any, model: Any, optimizer: Any, policy: Union[str, Policy] = 
                     optimizer.step(); optimizer.zero_grad()
         print(sync.report)
     """
-    return FabricWatch(fabric, model, optimizer, Policy.parse(policy, refused=REFUSED), dataloader, console)
+    return FabricWatch(fabric, model, optimizer, FABRIC_LOOP.parse_policy(policy), dataloader, console)

@@ -6,9 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+from ..core.frameworks import LIGHTNING
 from ..engine.deepspeed import is_engine
-
-METRIC_KEYS = ("stepsync/lightning_steps", "stepsync/engine_steps", "stepsync/drift")
 
 
 def uses_deepspeed(strategy: Any) -> bool:
@@ -23,6 +22,12 @@ def deepspeed_engine(trainer: Any) -> Optional[Any]:
         return None
     engine = getattr(strategy, "model", None)
     return engine if is_engine(engine) else None
+
+
+def fabric_engine(fabric: Any, model: Any) -> Optional[Any]:
+    """The DeepSpeed engine behind a model ``fabric.setup`` returned (its ``_forward_module``), or None."""
+    engine = getattr(model, "_forward_module", None)
+    return engine if uses_deepspeed(getattr(fabric, "strategy", None)) and is_engine(engine) else None
 
 
 def zero_stage(strategy: Any) -> Optional[int]:
@@ -65,5 +70,6 @@ def scale_the_loss_once(engine: Any) -> Optional[int]:
 
 def add_metrics(module: Any, lightning_steps: int, engine_steps: int) -> None:
     """Both counts and the drift, through Lightning's own ``log`` (its loggers and ``callback_metrics``)."""
-    module.log_dict({METRIC_KEYS[0]: float(lightning_steps), METRIC_KEYS[1]: float(engine_steps),
-                     METRIC_KEYS[2]: float(lightning_steps - engine_steps)}, on_step=True, on_epoch=False)
+    counted, engine, drift = LIGHTNING.metric_keys
+    module.log_dict({counted: float(lightning_steps), engine: float(engine_steps),
+                     drift: float(lightning_steps - engine_steps)}, on_step=True, on_epoch=False)

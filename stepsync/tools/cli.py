@@ -13,6 +13,7 @@ from rich.console import Console
 from .._version import __version__
 from ..core.choices import Policy
 from ..core.forecast import forecast
+from ..core.frameworks import LIGHTNING
 from ..core.lightning_versions import MEASURED_LIGHTNING, LightningStack, lightning_behaviour_of
 from ..core.plan import RunPlan
 from ..core.record import TRAINER_STATE, load_record, read_json
@@ -25,8 +26,6 @@ from .demo import run_demo
 from .resume_audit import resume_on
 
 EXIT_ALIGNED, EXIT_DRIFTS, EXIT_BAD_INPUT = 0, 1, 2
-LIGHTNING_REFUSED = {Policy.REALIGN: "policy 'realign' cannot apply to Lightning: its global_step is derived from "
-                                     "its loop's progress counters; use --policy sync or drop_last"}
 POLICIES = ", ".join(p.value for p in Policy)
 DESCRIPTION = """Keep transformers' Trainer and the DeepSpeed engine agreeing on the optimizer step count.
 
@@ -173,7 +172,7 @@ def run_check(args) -> int:
     stage = args.zero_stage if args.zero_stage is not None else ((deepspeed or {}).get("zero_optimization") or {}).get(
         "stage")
     if args.framework == "lightning":
-        Policy.parse(args.policy, refused=LIGHTNING_REFUSED)
+        LIGHTNING.parse_policy(args.policy, as_flag=True)
         behaviour = lightning_behaviour_of(LightningStack(args.lightning or installed_version("lightning")
                                                           or MEASURED_LIGHTNING[-1], versions["deepspeed"]))
     else:

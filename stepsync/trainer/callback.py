@@ -8,16 +8,18 @@ from typing import Any, Optional, Union
 from transformers import TrainerCallback
 
 from ..core.choices import Policy
-from ..core.errors import StepDriftError, StepSyncConfigError, UnsupportedVersion
-from ..core.record import CALLBACK_NAME, step_of
-from ..core.report import LoadedCheckpoint, SyncReport
+from ..core.errors import StepSyncConfigError, StepSyncError, UnsupportedVersion
+from ..core.frameworks import TRAINER
+from ..core.record import CALLBACK_NAME
+from ..core.report import SyncReport
 from ..core.versions import Stack, behaviour_of
 from ..display.output import ConsoleOutput, logger
 from ..engine.faults import Adapter, guarded
+from ..engine.lifecycle import close_run, idle_report
 from ..engine.resume import record_of
 from ..engine.run import Run
 from . import trainer as trainer_facts
-from .start import how_the_ranks_started, start_run
+from .start import StartVerdict, how_the_ranks_started, start_run
 
 try:  # transformers >= 4.41 saves an ExportableState callback's state() in trainer_state.json
     from transformers.trainer_callback import ExportableState
@@ -39,7 +41,7 @@ def _micro_batch_hook(name: str, trainer_updated: bool):
         try:
             # The Trainer's count matters only where it counted an update; elsewhere it is not even read.
             steering = run.after_micro_batch(trainer_updated, state.global_step if trainer_updated else 0)
-        except (StepDriftError, StepSyncConfigError):
+        except StepSyncError:
             raise
         except Exception as exc:
             return self._failed(name, exc, True)
@@ -96,9 +98,9 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
     def __init__(self, policy: Union[str, Policy] = Policy.WARN, console: Any = None) -> None:
         if self.__dict__.pop("_restored_with", None) is not None:
             return  # the Trainer is restoring this very instance: keep the user's choices
-        self.policy = Policy.parse(policy)
+        self.policy = TRAINER.parse_policy(policy)
         self.output = ConsoleOutput(console)
-        self._report = SyncReport(self.policy)
+        self._report = idle_report(TRAINER, self.policy)
         self._run: Optional[Run] = None
         self._state: Any = None
         self._trainer: Any = None
@@ -122,7 +124,7 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
     @guarded(steering=True, needs_run=False)
     def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
         self._run, self._leader, self._state = None, None, state
-        self._report = SyncReport(self.policy)
+        self._report = idle_report(TRAINER, self.policy)
         trainer_facts.keep_a_place_in(state, CALLBACK_NAME, self.state)
         trainer = self._trainer = trainer_facts.find_trainer(self)
         if trainer is None:
@@ -144,9 +146,9 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
         before = (state.global_step, state.max_steps)
         failure = None
         try:
-            start_run(trainer, args, state, engine, train_dataloader, behaviour, self.report, self.output,
-                      trainer_facts.speaks(args, state), keep=lambda run: setattr(self, "_run", run))
-        except (StepDriftError, StepSyncConfigError):
+            start_run(trainer, args, state, engine, train_dataloader, behaviour, self.policy, self.output,
+                      trainer_facts.speaks(args, state), keep=self._keep)
+        except StepSyncError:
             raise
         except Exception as exc:
             failure = exc
@@ -160,11 +162,11 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
     def _agree_on_the_start(self, args, state, before: tuple, failure: Optional[Exception]) -> None:
         """Every rank steers this run the same way, or none does (see :func:`how_the_ranks_started`)."""
         verdict, reason = how_the_ranks_started(args, state, before, failure is not None)
-        if verdict == "together":
+        if verdict is StartVerdict.TOGETHER:
             return
-        if failure is not None and verdict == "failed":
+        if failure is not None and verdict is StartVerdict.FAILED:
             reason = f"internal error in on_train_begin: {failure!r}"
-        if verdict == "resumed_apart":
+        if verdict is StartVerdict.RESUMED_APART:
             self._switch_off(reason)
             raise StepSyncConfigError(f"{reason}; stepsync stops every rank before the first micro-batch")
         if self.policy is Policy.RAISE:
@@ -217,20 +219,11 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
 
     @guarded(steering=True, needs_run=False)
     def on_train_end(self, args, state, control, **kwargs):
-        run = self._run
-        if self._leader is None:
-            self.report.finished = True
-        if run is None:
-            return
-        # With load_best_model_at_end the Trainer has already loaded the best checkpoint into the engine, which
-        # took that checkpoint's count back: the report keeps the counts of the training that happened.
-        if run.finish(state.global_step):
-            folder = getattr(state, "best_model_checkpoint", None)
-            self.report.loaded_checkpoint = LoadedCheckpoint(folder, step_of(folder), run.engine.global_steps)
-            run.note(f"after training the Trainer loaded {self.report.loaded_checkpoint}; this report describes "
-                     "the training that happened")
-        if run.observing:
-            run.summarize()
+        if self._leader is None:  # with load_best_model_at_end the Trainer has loaded the best checkpoint already
+            close_run(self._report, self._run, state.global_step, getattr(state, "best_model_checkpoint", None))
+
+    def _keep(self, run: Run) -> None:
+        self._run, self._report = run, run.report
 
     def _follow(self, leader: StepSyncCallback, args, state) -> None:
         """Another instance acts for this Trainer: stay silent, and share its report."""
@@ -242,10 +235,7 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
                        self.policy.value)
 
     def _deactivate(self, reason: str, level: int, args, state) -> None:
-        self.report.active = False
-        self.report.inactive_reason = reason
-        if trainer_facts.speaks(args, state):
-            logger.log(level, "%s", reason)
+        self._report = idle_report(TRAINER, self.policy, reason, level, trainer_facts.speaks(args, state))
 
     def _undo_steering(self) -> None:
         planned = self.report.planned_steps

@@ -1,20 +1,20 @@
-"""The Trainer's run before its first micro-batch: the run built from the Trainer's state (a resume's record
-included), the forecast, TRL's generation buffer, and one agreement across ranks."""
+"""The Trainer's run before its first micro-batch: what the Trainer's state says of it (a resume's record
+included), TRL's generation buffer, and one agreement across ranks."""
 from __future__ import annotations
 
 import math
-from typing import Any, Tuple
+from enum import Enum
+from typing import Any, Callable, Tuple
 
 from ..core.choices import Policy
 from ..core.errors import StepSyncConfigError
-from ..core.forecast import forecast
+from ..core.frameworks import TRAINER
 from ..core.plan import RunPlan, resume_position
-from ..core.report import SyncReport
 from ..core.versions import StackBehaviour
 from ..display.output import ConsoleOutput
 from ..engine.deepspeed import spread_across_ranks
+from ..engine.lifecycle import RunStart, open_run
 from ..engine.loop_objects import length_of
-from ..engine.resume import continue_from
 from ..engine.run import Run
 from . import trainer as trainer_facts
 
@@ -24,10 +24,18 @@ REUSED_ENGINE_REMEDY = ("the engine kept its count from an earlier train() of th
                         "again from 0: build a new Trainer for a new run")
 
 
+class StartVerdict(Enum):
+    """How the ranks started a run, as every rank learns it from one collective."""
+
+    TOGETHER = "every rank starts as this one"
+    RESUMED_APART = "the ranks resumed from checkpoints that differ: they would train different micro-batches"
+    FAILED = "stepsync failed to start on some rank: none may steer"
+
+
 def start_run(trainer: Any, args: Any, state: Any, engine: Any, train_dataloader: Any, behaviour: StackBehaviour,
-              report: SyncReport, output: ConsoleOutput, is_main: bool, keep: Any) -> Run:
-    """Build the run of ``trainer``, hand it to ``keep`` (so that a failure from here on can switch it off), start
-    its policy, announce the forecast and check the counts training begins with."""
+              policy: Policy, output: ConsoleOutput, is_main: bool, keep: Callable[[Run], None]) -> Run:
+    """Open the run of ``trainer`` from its state; ``keep`` gets it as soon as it exists (so that a failure from
+    then on switches it off). The plan a policy lowers is set in ``state``."""
     n = length_of(train_dataloader) or None
     g = args.gradient_accumulation_steps
     record, record_problem = trainer_facts.saved_record(state, trainer_facts.resume_checkpoint(trainer))
@@ -46,39 +54,17 @@ def start_run(trainer: Any, args: Any, state: Any, engine: Any, train_dataloader
         plan = RunPlan(n, g, args.num_train_epochs, args.max_steps, state.global_step, engine.global_steps,
                        resume_steps, examples)
         start_epoch, skip = resume_position(plan, behaviour)
-    run = Run(engine, behaviour, n, g, report, output, start_epoch=start_epoch, skip=skip, is_main=is_main,
-              plan=plan, layout=layout)
-    serve_a_generation_buffer(args, run, report.policy)
-    keep(run)
-    report.active = True
-    report.planned_steps = state.max_steps
-    run.state_what_differs("the Trainer's")
-    if record_problem:
-        run.error(f"{record_problem}; the report covers this run only")
-    if shift is not None:
-        report.resume_shift = shift
-        if shift.exact:
-            run.note(shift.message())
-        elif report.policy is Policy.RAISE:
-            raise StepSyncConfigError(f"{shift.message()}; policy 'raise' stops every rank before the first "
-                                      "micro-batch")
-        else:
-            run.warn(shift.message())
-    report.trainer_steps, report.engine_steps = state.global_step, engine.global_steps
-    report.inherited_drift = report.drift
-    steering = run.begin()
+    def built(run: Run) -> None:
+        keep(run)
+        serve_a_generation_buffer(args, run, policy)
+
+    run, steering = open_run(RunStart(
+        TRAINER, policy, engine, behaviour, n, g, output, is_main=is_main, trainer_steps=state.global_step,
+        planned_steps=state.max_steps, plan=plan, start_epoch=start_epoch, skip=skip, layout=layout, record=record,
+        record_problem=record_problem, shift=shift,
+        inherited_remedy=REUSED_ENGINE_REMEDY if state.global_step == 0 else INHERITED_REMEDY), built)
     if steering is not None and steering.max_steps is not None:
         state.max_steps = steering.max_steps
-    if plan is not None:
-        predicted = forecast(plan, behaviour, report.policy)
-        predicted.resume_shift = shift
-        if predicted.planned_steps != report.planned_steps:
-            run.note(f"the Trainer planned max_steps={report.planned_steps}, the forecast "
-                     f"{predicted.planned_steps}: the forecast may be off for this release")
-        run.announce(predicted)
-    if record is not None:
-        continue_from(run, record)
-    run.check(state.global_step, "train_begin", REUSED_ENGINE_REMEDY if state.global_step == 0 else INHERITED_REMEDY)
     return run
 
 
@@ -98,23 +84,19 @@ def serve_a_generation_buffer(args: Any, run: Run, policy: Policy) -> None:
             f"buffer and other micro-batches go untrained; {fix}, or use policy='sync'")
 
 
-def how_the_ranks_started(args: Any, state: Any, before: Tuple[int, int], failed_here: bool) -> Tuple[str, str]:
-    """One collective before the first micro-batch, on every rank: ``(verdict, reason)``.
-
-    ``verdict`` is ``"together"`` (every rank starts as this one), ``"resumed_apart"`` (the ranks resumed from
-    checkpoints that differ: they would train different micro-batches and wait on each other), or
-    ``"failed"`` (stepsync failed to start on some rank: none may steer). A rank whose start differs from the
-    others' (a record that could not be written on one node, a fault on one rank) would otherwise train
-    different micro-batches than its peers.
-    """
+def how_the_ranks_started(args: Any, state: Any, before: Tuple[int, int],
+                          failed_here: bool) -> Tuple[StartVerdict, str]:
+    """One collective before the first micro-batch, on every rank: the :class:`StartVerdict` and its reason in
+    words. A rank whose start differs from the others' (a record that could not be written on one node, a fault on
+    one rank) would otherwise train different micro-batches than its peers and wait on them."""
     after = (state.global_step, state.max_steps)
     spread = spread_across_ranks((*before, *after, failed_here), getattr(args, "device", "cpu"))
     if any(low != high for low, high in spread[:2]):
         (step_low, step_high), (plan_low, plan_high) = spread[:2]
-        return "resumed_apart", (
+        return StartVerdict.RESUMED_APART, (
             f"the ranks resumed at different points (global_step {step_low}..{step_high}, max_steps "
             f"{plan_low}..{plan_high}): every node must resume from the same checkpoint; with "
             "save_on_each_node, make each node's checkpoint-N/trainer_state.json the same (copy node 0's)")
     if any(low != high for low, high in spread[2:]) or failed_here:
-        return "failed", "stepsync failed to start on another rank (its log says why)"
-    return "together", ""
+        return StartVerdict.FAILED, "stepsync failed to start on another rank (its log says why)"
+    return StartVerdict.TOGETHER, ""

@@ -11,12 +11,13 @@ from types import FrameType
 from typing import Any, List, Optional, Tuple
 
 from ..core.choices import Policy
+from ..core.frameworks import TRAINER
 from ..core.record import ResumeRecord, load_record, record_in_trainer_state, save_record
 from ..core.relayout import Layout
 from ..engine.deepspeed import is_engine
-from ..engine.policies import Steering
 from ..engine.resume import record_of
 from ..engine.run import Run
+from ..engine.steering import Steering
 
 _MAX_FRAMES = 12  # Trainer -> CallbackHandler.on_x -> call_event -> our hook, plus subclasses' overrides
 
@@ -170,9 +171,6 @@ def steer(trainer: Any, steering: Steering, args: Any, state: Any, control: Any,
         control.should_epoch_stop = True
 
 
-METRIC_KEYS = ("stepsync/trainer_steps", "stepsync/engine_steps", "stepsync/drift")
-
-
 def add_metrics(state: Any, logs: dict, engine_steps: int, extra: Optional[dict] = None) -> None:
     """Add both counts and the drift to the record ``logs`` the Trainer is logging, and to its copy in
     ``log_history`` (the Trainer appended it there before calling the callbacks). ``engine_steps``: the count
@@ -180,8 +178,9 @@ def add_metrics(state: Any, logs: dict, engine_steps: int, extra: Optional[dict]
     metrics (a resume's shift)."""
     last = state.log_history[-1] if state.log_history else {}
     in_history = logs.items() <= last.items()
-    metrics = {METRIC_KEYS[0]: state.global_step, METRIC_KEYS[1]: engine_steps,
-               METRIC_KEYS[2]: state.global_step - engine_steps, **(extra or {})}
+    counted, engine, drift = TRAINER.metric_keys
+    metrics = {counted: state.global_step, engine: engine_steps, drift: state.global_step - engine_steps,
+               **(extra or {})}
     logs.update(metrics)
     if in_history and last:
         last.update(metrics)

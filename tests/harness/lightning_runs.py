@@ -5,7 +5,7 @@ the scheduler's steps and the sample of the batch; each update's micro-batch wei
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from stepsync.tools.tiny_lightning import fit_tiny, lift_the_cuda_check, one_hot_loader
 from stepsync.tools.tiny_run import cpu_distributed_env
@@ -101,9 +101,11 @@ class FabricRun:
 
 
 def run_fabric(samples: int, gas: int, epochs: int = 2, stage: int = 0, policy: Optional[str] = "warn",
-               config_gas: int = 1, deepspeed: bool = True) -> FabricRun:
+               config_gas: int = 1, deepspeed: bool = True,
+               before_micro_batch: Optional[Callable[[int], None]] = None) -> FabricRun:
     """Fabric's documented accumulation loop (no_backward_sync around each backward, optimizer.step() every
-    ``gas`` micro-batches of an epoch, the loss divided by ``gas``) on the one-hot linear model."""
+    ``gas`` micro-batches of an epoch, the loss divided by ``gas``) on the one-hot linear model;
+    ``before_micro_batch`` is called with the 1-based index of each micro-batch (across epochs) before it runs."""
     cpu_distributed_env()
     import lightning as L
     import torch
@@ -137,6 +139,8 @@ def run_fabric(samples: int, gas: int, epochs: int = 2, stage: int = 0, policy: 
         last = parameters(module)
         for epoch in range(epochs):
             for batch_idx, batch in enumerate(data):
+                if before_micro_batch is not None:
+                    before_micro_batch(len(record.batches) + 1)
                 ends_window = (batch_idx + 1) % gas == 0
                 with fabric.no_backward_sync(model, enabled=not ends_window):
                     fabric.backward(model(batch) / gas)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 from stepsync.tools.tiny_run import TinyDataset, cpu_distributed_env, tiny_model
 
@@ -43,11 +43,13 @@ def loop_deepspeed_config(gas: int, stage: int = 0) -> dict:
 
 
 def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn", stage: int = 0,
-             outside_accumulate: bool = False, seed: int = 0, trackers=()) -> LoopRun:
+             outside_accumulate: bool = False, seed: int = 0, trackers=(),
+             before_micro_batch: Optional[Callable[[int], None]] = None) -> LoopRun:
     """Train the tiny model with a loop shaped like transformers' run_clm_no_trainer.py on accelerate + DeepSpeed.
 
     ``policy=None`` runs without stepsync; ``outside_accumulate`` calls ``accelerator.backward`` outside
-    ``accelerator.accumulate()`` (the pattern stepsync warns about).
+    ``accelerator.accumulate()`` (the pattern stepsync warns about); ``before_micro_batch`` is called with the
+    1-based index of each micro-batch (across epochs) before it runs.
     """
     cpu_distributed_env()
     import torch
@@ -81,6 +83,8 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
         for _ in range(epochs):
             model.train()
             for batch in dataloader:
+                if before_micro_batch is not None:
+                    before_micro_batch(len(result.loop_steps) + 1)
                 if outside_accumulate:
                     accelerator.backward(model(**batch).loss)
                     optimizer.step(), scheduler.step(), optimizer.zero_grad()

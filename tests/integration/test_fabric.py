@@ -72,3 +72,53 @@ def test_raise_stops_at_the_first_divergence():
 def test_policies_a_loop_cannot_have_are_refused(policy):
     run = run_fabric(3, 2, 2, 0, policy)
     assert isinstance(run.error, ValueError) and "use policy='sync'" in str(run.error)
+
+
+def faulty_fabric(monkeypatch, caplog, policy, fail, breaks_at=4):
+    """The Fabric loop with stepsync seeing a FaultyEngine that breaks before micro-batch ``breaks_at``."""
+    import logging
+
+    import stepsync.lightning.lightning as facts
+    from harness.faults import breaking_at
+
+    before_micro_batch = breaking_at(monkeypatch, facts, "fabric_engine", fail, breaks_at)
+    with caplog.at_level(logging.INFO, logger="stepsync"):
+        return run_fabric(3, 2, 2, 0, policy, before_micro_batch=before_micro_batch)
+
+
+@pytest.mark.reliability("fault")
+@pytest.mark.parametrize("policy", ["warn", "sync"])
+def test_counters_that_fail_mid_loop_switch_stepsync_off_and_the_fabric_loop_trains_on(monkeypatch, caplog, policy):
+    from harness.faults import stepsync_errors
+
+    run = faulty_fabric(monkeypatch, caplog, policy, {"global_steps": "raise"})
+    assert run.error is None and len(run.batches) == 6  # every micro-batch trained
+    # What each update trained, from the parameters: the same as the loop without stepsync (sync's first update,
+    # made by the engine, trained the same two micro-batches Fabric's own would have).
+    assert run.updates == run_fabric(3, 2, 2, 0, None).updates and [len(u) for u in run.updates] == [2, 3]
+    # sync made the engine step at the loop's first update; from the fault on Fabric's own optimizer.step() is back
+    assert [engine for *_, engine in run.batches] == ([0, 1, 1, 1, 1, 1] if policy == "sync" else [0] * 6)
+    errors = stepsync_errors(caplog)
+    assert len(errors) == 1 and "injected failure reading global_steps" in errors[0].getMessage()
+    report = run.watch.report
+    assert report.finished and not report.active and "internal error" in report.inactive_reason
+    assert run.engine._is_gradient_accumulation_boundary is None  # DeepSpeed's own boundary is back
+    assert "step" not in vars(run.watch.optimizer)  # and the optimizer's own step, once closed
+
+
+@pytest.mark.reliability("fault")
+def test_a_failing_boundary_call_under_sync_never_ends_the_fabric_loop(monkeypatch, caplog):
+    from harness.faults import stepsync_errors
+
+    run = faulty_fabric(monkeypatch, caplog, "sync", {"set_gradient_accumulation_boundary": "raise"}, breaks_at=3)
+    assert run.error is None and len(run.batches) == 6
+    errors = stepsync_errors(caplog)
+    assert len(errors) == 1 and "could not be given back" in errors[0].getMessage()
+    assert not run.watch.report.active and run.watch.report.finished
+
+
+@pytest.mark.reliability("fault")
+def test_under_raise_an_internal_failure_stops_the_fabric_loop(monkeypatch, caplog):
+    run = faulty_fabric(monkeypatch, caplog, "raise", {"global_steps": "raise"}, breaks_at=2)  # before the drift
+    assert isinstance(run.error, RuntimeError) and "injected failure" in str(run.error) and len(run.batches) == 1
+    assert run.watch.report.finished  # close() in the loop's finally raised nothing more

@@ -50,6 +50,11 @@ def test_warn_reports_what_the_run_did(n, g, epochs, stage):
     reached = round(sum(w for update in recorded.updates for w in update.values()) * g ** 2)
     assert n * epochs - reached - report.unapplied_micro_batches == report.forecast.wiped_micro_batches
     assert (report.forecast.wiped_micro_batches > 0) == (stage != 2 and n % g != 0)
+    # What the parameters show is in the final report, not only in the forecast.
+    assert report.update_flaws[0].startswith(f"each micro-batch weighs 1/{g ** 2} of its update, not 1/{g}")
+    assert any(f"clears {report.forecast.wiped_micro_batches} micro-batch(es)" in flaw for flaw in report.update_flaws) \
+        == (report.forecast.wiped_micro_batches > 0)
+    assert f"updates: each micro-batch weighs 1/{g ** 2}" in str(report)
     # Lightning steps the scheduler on its own count.
     assert all(batch[5] == batch[3] for batch in recorded.batches)
 
@@ -68,6 +73,7 @@ def test_sync_updates_where_lightning_counts_at_one_over_g(n, g, epochs, stage):
     assert report.drift == 0 and report.events == [] and report.dropped_micro_batches == (
         {e: n % g for e in range(1, epochs + 1)} if n % g else {})
     assert result.engine.gradient_accumulation_steps() == g  # the engine's own G given back at the end
+    assert report.update_flaws == []  # each update trained what Lightning means by one
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -8,34 +8,13 @@ import logging
 
 import pytest
 
+from harness.faults import FaultyEngine, stepsync_errors
 from harness.stack import DRIFTS, needs_stack
 from harness.runs import run
 
 pytestmark = [needs_stack, pytest.mark.integration]
 
 N, G, EPOCHS = 3, 2, 2  # 6 micro-batches, Trainer 4 updates, engine 3 on a drifting stack
-
-
-class FaultyEngine:
-    """The real engine as stepsync sees it, with one piece failing once ``broken`` is set."""
-
-    def __init__(self, engine, fail):
-        object.__setattr__(self, "_engine", engine)
-        object.__setattr__(self, "_fail", fail)
-        object.__setattr__(self, "broken", False)
-
-    def __getattr__(self, name):
-        if self.broken and name in self._fail:
-            raise RuntimeError(f"injected failure reading {name}")
-        if name == "hidden" or name in self._fail and self._fail[name] == "missing":
-            raise AttributeError(name)
-        return getattr(self._engine, name)
-
-    def __setattr__(self, name, value):
-        if name == "broken":
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self._engine, name, value)
 
 
 def inject(monkeypatch, fail, from_epoch=1):
@@ -63,10 +42,6 @@ def inject(monkeypatch, fail, from_epoch=1):
             self.epochs_begun += 1
 
     return Breaker()
-
-
-def stepsync_errors(caplog):
-    return [r for r in caplog.records if r.name == "stepsync" and r.levelno >= logging.ERROR]
 
 
 def assert_finished_intact(result, trainer_steps=4):

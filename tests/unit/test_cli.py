@@ -160,7 +160,7 @@ def test_check_forecasts_a_lightning_configuration():
 @pytest.mark.reliability("bad_input")
 def test_check_refuses_realign_for_lightning_with_the_reason():
     proc = stepsync("check", "--framework", "lightning", "--samples", "3", "--gas", "2", "--policy", "realign")
-    assert proc.returncode == 2 and "use --policy sync or drop_last" in proc.stderr
+    assert proc.returncode == 2 and "use --policy sync or --policy drop_last" in proc.stderr
 
 
 @pytest.mark.reliability("bad_input")

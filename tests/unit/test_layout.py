@@ -2,9 +2,10 @@
 
     core  <-  display  <-  engine  <-  the framework adapters (trainer, accelerate, ...)  <-  tools
 
-Arrows point inward; an adapter never imports another adapter; nothing imports in a cycle. A function may
-import lazily only a third-party package (torch, transformers, ...), never a stepsync module. Imports under
-``if TYPE_CHECKING:`` are for annotations and never run: they are not counted.
+Arrows point inward; an adapter never imports another adapter; nothing imports in a cycle, not even for
+annotations (``if TYPE_CHECKING:``). A function may import lazily only a third-party package (torch,
+transformers, ...), never a stepsync module. Every run opens and closes in one place (engine/lifecycle.py), and no
+adapter writes its report.
 """
 import ast
 import os
@@ -33,15 +34,16 @@ def modules():
     return found
 
 
-def imports(module, path):
-    """(absolute name, at module level) of every import this module makes."""
+def imports(module, path, annotations=False):
+    """(absolute name, at module level) of every import this module makes (with ``annotations``, those under
+    ``if TYPE_CHECKING:`` too)."""
     tree = ast.parse(open(path).read())
     package = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
     found = []
 
     def visit(nodes, top):
         for node in nodes:
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) and not annotations:
                 continue
             if isinstance(node, ast.Import):
                 found.extend((alias.name, top) for alias in node.names)
@@ -61,10 +63,10 @@ def imports(module, path):
     return found
 
 
-def graph():
+def graph(annotations=False):
     known = modules()
     # A module's own packages are loading already when it loads (``from . import x`` names its package first).
-    return {module: {name for name, _ in imports(module, path)
+    return {module: {name for name, _ in imports(module, path, annotations)
                      if name in known and name != module and not module.startswith(name + ".")}
             for module, path in known.items()}
 
@@ -76,8 +78,8 @@ def layer(module):
     return "adapters" if parts[1] in ADAPTERS else parts[1] if parts[1] in LAYERS else None
 
 
-def test_no_import_cycle():
-    edges, state, cycles = graph(), {}, []
+def test_no_import_cycle_not_even_for_annotations():
+    edges, state, cycles = graph(annotations=True), {}, []
 
     def walk(node, path):
         state[node] = "open"
@@ -137,3 +139,36 @@ def test_the_layers_are_the_folders():
 def test_no_module_is_long():
     long = {module: n for module, path in modules().items() if (n := len(open(path).read().splitlines())) > MOST_LINES}
     assert long == {}
+
+
+def calls_and_writes(path):
+    """(what is called, what is assigned to) in a module, as source text."""
+    tree = ast.parse(open(path).read())
+    calls = [ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)]
+    targets = [ast.unparse(target) for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AugAssign))
+               for target in (node.targets if isinstance(node, ast.Assign) else [node.target])]
+    return calls, targets
+
+
+def test_every_run_opens_and_closes_in_the_lifecycle():
+    opened, closed = set(), set()
+    for module, path in modules().items():
+        calls, _ = calls_and_writes(path)
+        if {"Run", "SyncReport"} & set(calls):
+            opened.add(module)
+        if any(call.endswith((".finish", ".summarize")) for call in calls):
+            closed.add(module)
+    assert opened == closed == {"stepsync.engine.lifecycle"}
+
+
+def test_no_adapter_writes_the_report():
+    written = []
+    for module, path in modules().items():
+        if layer(module) != "adapters":
+            continue
+        calls, targets = calls_and_writes(path)
+        for text in targets + [call.rsplit(".", 1)[0] for call in calls if "." in call]:
+            parts = text.replace("[", ".").split(".")
+            if any(name in ("report", "_report") for name in parts[:-1]):  # report.x = ..., report.x.append(...)
+                written.append(f"{module}: {text}")
+    assert written == []

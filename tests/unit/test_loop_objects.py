@@ -3,6 +3,8 @@ and the policies an adapter refuses."""
 import pytest
 
 from stepsync.core.choices import Policy
+from stepsync.core.errors import StepSyncConfigError
+from stepsync.core.frameworks import ACCELERATE_LOOP, FABRIC_LOOP, FRAMEWORKS, LIGHTNING, TRAINER
 from stepsync.engine.loop_objects import InstancePatches, length_of
 
 
@@ -35,9 +37,21 @@ def test_a_length_is_read_only_where_there_is_one():
 
 
 def test_a_refused_policy_raises_its_reason_and_others_parse():
-    refused = {Policy.REALIGN: "not here: use policy='sync'"}
-    with pytest.raises(ValueError, match="^not here: use policy='sync'$"):
-        Policy.parse("realign", refused=refused)
-    assert Policy.parse("Drop-Last", refused=refused) is Policy.DROP_LAST
+    with pytest.raises(StepSyncConfigError, match="^policy 'realign' cannot change your loop's own counter: use "
+                                                  "policy='sync', or keep policy 'warn' and adopt "
+                                                  "watch.report.engine_steps$"):
+        ACCELERATE_LOOP.parse_policy("realign")
+    assert ACCELERATE_LOOP.parse_policy("Raise") is Policy.RAISE
+    assert LIGHTNING.parse_policy("Drop-Last") is Policy.DROP_LAST
+    with pytest.raises(StepSyncConfigError, match="use --policy sync or --policy drop_last$"):
+        LIGHTNING.parse_policy("realign", as_flag=True)
     with pytest.raises(ValueError, match="Possible choices are"):
-        Policy.parse("resync", refused=refused)
+        FABRIC_LOOP.parse_policy("resync")
+
+
+def test_every_framework_is_described_once_and_the_trainer_refuses_nothing():
+    assert len({f.counter for f in FRAMEWORKS}) == len(FRAMEWORKS) == 4
+    assert TRAINER.refused == {} and all(TRAINER.parse_policy(p) is p for p in Policy)
+    for framework in FRAMEWORKS:  # a refusal always names what to use instead, and never a refused policy
+        for policy, refusal in framework.refused.items():
+            assert refusal.instead and not set(refusal.instead) & set(framework.refused), (framework.name, policy)

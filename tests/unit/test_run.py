@@ -10,12 +10,13 @@ import pytest
 from stepsync.core.choices import Policy
 from stepsync.core.errors import StepDriftError, StepSyncConfigError
 from stepsync.core.events import Cause
+from stepsync.core.frameworks import ACCELERATE_LOOP, LIGHTNING, TRAINER
+from stepsync.core.lightning_versions import LightningStack, lightning_behaviour_of
 from stepsync.core.plan import RunPlan
-from stepsync.core.report import SyncReport
 from stepsync.core.versions import Stack, behaviour_of
 from stepsync.display.output import ConsoleOutput
-from stepsync.engine.policies import RealignAction, Steering
-from stepsync.engine.run import Run
+from stepsync.engine.lifecycle import RunStart, close_run, open_run
+from stepsync.engine.policies import RealignAction, Steering, loop_action_for
 
 DRIFTING = Stack("5.24.0", "1.7.0", "0.19.8")
 ALIGNED = Stack("5.24.0", "1.16.0", "0.19.8")
@@ -49,17 +50,13 @@ class FakeEngine:
 def drive(policy, n, g, epochs, stack=DRIFTING, engine=None):
     """Run the Trainer's loop over a fake engine; (run, [(epoch, micro-batch, Steering)], final count)."""
     engine = engine or FakeEngine(g)
-    report = SyncReport(Policy.parse(policy))
-    plan = RunPlan(n, g, epochs)
     planned = epochs * -(-n // g)
-    report.planned_steps = planned
-    run = Run(engine, behaviour_of(stack), n, g, report, ConsoleOutput(False), plan=plan)
+    run, started = open_run(RunStart(TRAINER, Policy.parse(policy), engine, behaviour_of(stack), n, g,
+                                     ConsoleOutput(False), planned_steps=planned, plan=RunPlan(n, g, epochs)))
     decisions = []
-    started = run.begin()
     if started is not None:
         decisions.append((0, 0, started))
         planned = started.max_steps or planned
-    run.check(0, "train_begin")
     count = 0
     for epoch in range(1, epochs + 1):
         run.begin_epoch()
@@ -81,7 +78,7 @@ def drive(policy, n, g, epochs, stack=DRIFTING, engine=None):
             count = steering.trainer_steps if steering.trainer_steps is not None else count
         if count >= planned:
             break
-    run.finish(count)
+    close_run(run.report, run, count)
     return run, decisions, count
 
 
@@ -157,9 +154,7 @@ def test_the_record_says_where_the_next_micro_batch_is():
     from stepsync.engine.resume import record_of
 
     engine = FakeEngine(2)
-    report = SyncReport(Policy.WARN)
-    run = Run(engine, behaviour_of(DRIFTING), 3, 2, report, ConsoleOutput(False))
-    run.begin()
+    run, _ = open_run(RunStart(TRAINER, Policy.WARN, engine, behaviour_of(DRIFTING), 3, 2, ConsoleOutput(False)))
     run.begin_epoch()
     engine.step()
     run.after_micro_batch(False, 0)
@@ -176,3 +171,58 @@ def test_a_fault_while_observing_ends_only_the_observing():
 
     run._observe(broken)
     assert not run.observing and run.report.policy is Policy.REALIGN and "still acts" in run.report.inactive_reason
+
+
+def loop_run(policy, n, g, epochs, stack=DRIFTING, engine=None):
+    """An accelerate loop over a fake engine, its windows said by the loop (``sync_gradients``) before each
+    backward, as ``stepsync.watch`` passes them on: (run, the loop's count)."""
+    engine = engine or FakeEngine(g)
+    behaviour = behaviour_of(stack)
+    run, _ = open_run(RunStart(ACCELERATE_LOOP, Policy.parse(policy), engine, behaviour, n, g, ConsoleOutput(False),
+                               plan=RunPlan(n, g, epochs), action=loop_action_for(Policy.parse(policy))))
+    count = 0
+    for _ in range(epochs):
+        run.begin_epoch()
+        for position in range(1, n + 1):
+            counted = position % g == 0 or position == n
+            run.before_micro_batch(counted)
+            engine.step()
+            count += counted
+            run.after_micro_batch(counted, count)
+        run.end_epoch(count)
+    close_run(run.report, run, count)
+    return run, count
+
+
+def test_a_loops_sync_makes_the_engine_follow_the_loops_own_word_and_gives_the_boundary_back():
+    engine = FakeEngine(2)
+    run, count = loop_run("sync", 3, 2, 2, engine=engine)
+    assert (count, engine.global_steps) == (4, 4) and run.report.events == []
+    assert engine._is_gradient_accumulation_boundary is None
+    warned, _ = loop_run("warn", 3, 2, 2)
+    assert (warned.report.trainer_steps, warned.report.engine_steps) == (4, 3)
+    assert warned.report.events[0].counter == "loop updates" and str(warned.report).startswith(
+        "stepsync report (policy 'warn'): your loop 4 updates, engine 3")
+
+
+def test_a_loops_sync_on_an_engine_that_cannot_be_steered_is_refused_at_the_start():
+    with pytest.raises(StepSyncConfigError, match="cannot steer this engine.*use policy='warn'"):
+        loop_run("sync", 3, 2, 2, engine=FakeEngine(2, steerable=False))
+
+
+def test_what_the_updates_miss_is_in_the_final_report_not_only_in_the_forecast():
+    behaviour = lightning_behaviour_of(LightningStack("2.6.6", "0.19.8"))
+    engine = FakeEngine(2)
+    run, _ = open_run(RunStart(LIGHTNING, Policy.WARN, engine, behaviour, 4, 2, ConsoleOutput(False),
+                               planned_by_forecast=True, plan=RunPlan(4, 2, 1, zero_stage=2)))
+    run.begin_epoch()
+    for position in range(1, 5):
+        engine.step()
+        run.after_micro_batch(position % 2 == 0, position // 2)
+    run.end_epoch(2)
+    report = close_run(run.report, run, 2)
+    assert report.update_flaws == ["each micro-batch weighs 1/4 of its update, not 1/2 (Lightning and DeepSpeed both "
+                                   "divide the loss by G)"]
+    assert "updates: each micro-batch weighs 1/4 of its update" in str(report)
+    assert report.to_dict()["update_flaws"] == report.update_flaws and report.to_dict()["framework"] == "Lightning"
+    assert report.finished and report.planned_steps == 2 and report.events == []

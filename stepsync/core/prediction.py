@@ -1,16 +1,121 @@
-"""The wording of verdicts: why a forecast drifts, whether the run ends early, and the JSON of a forecast."""
+"""What a forecast says: its rows per epoch, its verdict in words (why it drifts, whether the run ends early, what
+the updates themselves get wrong) and its JSON. The simulation that makes one is :mod:`stepsync.core.forecast`."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
-from typing import TYPE_CHECKING, List, Optional
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional
 
 from .choices import Policy
-from .plan import resume_position, updates_per_epoch
-from .versions import PlannedSteps
+from .plan import RunPlan, resume_position, updates_per_epoch
+from .relayout import ResumeShift
+from .versions import PlannedSteps, StackBehaviour
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .forecast import Forecast
+
+@dataclass(frozen=True)
+class EpochForecast:
+    """One epoch of a forecast. ``epoch`` is 1-based; step counts are cumulative at the epoch's end.
+
+    ``partial_window`` is the size of the Trainer's short last window (0 when N is a multiple of G
+    or the epoch stopped early); ``dropped`` the micro-batches ``drop_last`` leaves untrained; ``cut`` the
+    micro-batches the Trainer itself never reaches (transformers 4.46-4.51, see :func:`trainer_epoch_length`).
+    """
+
+    epoch: int
+    micro_batches: int
+    trainer_updates: int
+    engine_updates: int
+    trainer_steps: int
+    engine_steps: int
+    partial_window: int = 0
+    dropped: int = 0
+    cut: int = 0
+
+    @property
+    def drift(self) -> int:
+        return self.trainer_steps - self.engine_steps
+
+
+@dataclass
+class Forecast:
+    """The predicted counts of a run under one policy.
+
+    Attributes:
+        planned_steps: the ``max_steps`` the Trainer plans (and the LR schedule is built for).
+        epochs: one row per epoch that runs.
+        unapplied_micro_batches: micro-batches the engine accumulated but never applied at the end.
+        reachable_steps: under ``realign`` and ``drop_last``, the count the run ends at when that is below
+            ``planned_steps``: stepsync lowers the Trainer's ``max_steps`` to it so the run ends like a normal
+            one (None otherwise).
+        epochs_to_run: the epochs the Trainer's loop runs at most.
+        stopped_by_plan: the run ends because the Trainer's count reached its ``max_steps`` (not the data's end).
+        micro_batch_weight: what each micro-batch weighs in its update (1/G when the loss is divided once).
+        straddling: the 1-based epochs that begin inside an engine window the previous epoch opened.
+        resume_shift: the data a resume on another layout skips or trains twice (set by the adapter that saw it).
+        wiped_micro_batches: micro-batches whose gradients the framework's own zero_grad clears while the engine
+            still accumulates them (ZeRO 0, 1 and 3, when the windows differ): trained, never applied; those of the
+            engine's last window, which never closes, are counted in ``unapplied_micro_batches`` instead.
+    """
+
+    plan: RunPlan
+    behaviour: StackBehaviour
+    policy: Policy
+    planned_steps: int
+    epochs: List[EpochForecast] = field(default_factory=list)
+    unapplied_micro_batches: int = 0
+    reachable_steps: Optional[int] = None
+    epochs_to_run: int = 0
+    stopped_by_plan: bool = False
+    micro_batch_weight: float = 1.0
+    straddling: List[int] = field(default_factory=list)
+    wiped_micro_batches: int = 0
+    resume_shift: Optional[ResumeShift] = None
+
+    @property
+    def trainer_steps(self) -> int:
+        return self.epochs[-1].trainer_steps if self.epochs else self.plan.trainer_steps_at_start
+
+    @property
+    def engine_steps(self) -> int:
+        return self.epochs[-1].engine_steps if self.epochs else self.plan.engine_steps_at_start
+
+    @property
+    def drift(self) -> int:
+        return self.trainer_steps - self.engine_steps
+
+    @property
+    def inherited_drift(self) -> int:
+        return self.plan.trainer_steps_at_start - self.plan.engine_steps_at_start
+
+    @property
+    def aligned(self) -> bool:
+        """No epoch ends with a drift other than the one inherited at the start."""
+        return all(row.drift == self.inherited_drift for row in self.epochs) and self.drift == self.inherited_drift
+
+    @property
+    def micro_batches(self) -> int:
+        return sum(row.micro_batches for row in self.epochs)
+
+    @property
+    def dropped_micro_batches(self) -> int:
+        return sum(row.dropped for row in self.epochs)
+
+    @property
+    def sound(self) -> bool:
+        """Both sides agree, every update is what the framework means by one, and the run ends where asked."""
+        return self.aligned and not what_the_updates_miss(self) and self.ends_early() is None
+
+    def ends_early(self) -> Optional[str]:
+        """Why the run ends before the epochs (or the ``max_steps``) asked for, in words; None when it does not."""
+        return ends_early(self)
+
+    def verdict(self) -> str:
+        """One line: aligned, or affected with the reason and the remedy; then an early end, if any."""
+        return verdict(self)
+
+    def to_dict(self) -> dict:
+        """A JSON-ready summary (the shape ``stepsync check --json`` prints)."""
+        return forecast_dict(self)
 
 
 def ends_early(forecast: Forecast) -> Optional[str]:
@@ -64,7 +169,7 @@ def verdict(forecast: Forecast) -> str:
     early = ends_early(forecast)
     wrong = what_the_updates_miss(forecast)
     tail = "".join(f"; {fact}" for fact in wrong) + (f"; and {early}" if early else "")
-    framework = forecast.behaviour.framework
+    framework = forecast.behaviour.framework.name
     if forecast.aligned and not wrong:
         inherited = f" (inherited drift {forecast.inherited_drift:+d} stays)" if forecast.inherited_drift else ""
         return (f"aligned: both sides count {forecast.trainer_steps} updates under policy "
@@ -83,7 +188,7 @@ def what_the_updates_miss(forecast: Forecast) -> List[str]:
     """What the updates themselves get wrong, beyond the counts: the weight of each micro-batch, gradients
     cleared before the engine applied them, windows that cross epoch ends."""
     g = forecast.plan.gradient_accumulation_steps
-    framework, facts = forecast.behaviour.framework, []
+    framework, facts = forecast.behaviour.framework.name, []
     if g > 1 and abs(forecast.micro_batch_weight - 1 / g) > 1e-12:
         facts.append(f"each micro-batch weighs 1/{round(1 / forecast.micro_batch_weight)} of its update, not 1/{g} "
                      f"({framework} and DeepSpeed both divide the loss by G)")
@@ -119,7 +224,7 @@ def forecast_dict(forecast: Forecast) -> dict:
         "resume_shift": forecast.resume_shift.to_dict() if forecast.resume_shift else None,
         "stack": {
             **asdict(forecast.behaviour.stack),
-            "framework": forecast.behaviour.framework,
+            "framework": forecast.behaviour.framework.name,
             "trainer_rule": forecast.behaviour.trainer_rule.value,
             "engine_boundary": forecast.behaviour.engine_boundary.value,
             "measured": forecast.behaviour.measured,
@@ -140,7 +245,7 @@ def drift_reason(forecast: Forecast) -> str:
     plan, behaviour = forecast.plan, forecast.behaviour
     n, g = plan.micro_batches_per_epoch, plan.gradient_accumulation_steps
     if forecast.drift < forecast.inherited_drift:
-        shape = f"the engine is ahead: its windows cross epoch ends while {behaviour.framework}'s restart"
+        shape = f"the engine is ahead: its windows cross epoch ends while {behaviour.framework.name}'s restart"
     elif n <= g:
         shape = f"tiny epochs: N={n} <= G={g} forces a Trainer update at every epoch end"
     else:

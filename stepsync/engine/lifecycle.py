@@ -1,0 +1,156 @@
+"""Where every run opens and closes, whichever framework drives it: a :class:`RunStart` in, the report out.
+
+An adapter gathers what its framework knows when training starts into a :class:`RunStart`; :func:`open_run`
+builds the run and its report, starts the policy, announces the forecast, carries a resumed record on and checks
+the counts training begins with; :func:`close_run` gives the engine back and makes the report final. A run that
+cannot start (no DeepSpeed, an unsupported release) gets an :func:`idle_report` that says why.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional, Tuple
+
+from ..core.choices import Policy
+from ..core.errors import StepSyncConfigError
+from ..core.forecast import forecast
+from ..core.frameworks import Framework
+from ..core.plan import RunPlan
+from ..core.prediction import what_the_updates_miss
+from ..core.record import ResumeRecord, step_of
+from ..core.relayout import Layout, ResumeShift
+from ..core.report import LoadedCheckpoint, SyncReport
+from ..core.versions import StackBehaviour
+from ..display.output import ConsoleOutput, logger
+from .policies import action_for
+from .resume import continue_from
+from .run import Run
+from .steering import PolicyAction, Steering
+
+
+@dataclass
+class RunStart:
+    """What an adapter knows when training starts: everything a run opens from.
+
+    Attributes:
+        framework: who keeps the count the engine's is held against.
+        policy: the user's policy.
+        engine: the DeepSpeed engine.
+        behaviour: what the installed releases do.
+        n: micro-batches per epoch on one rank (None without a dataloader length).
+        g: gradient accumulation steps.
+        output: where the rich views are drawn.
+        is_main: whether this rank speaks.
+        trainer_steps: the framework's count when training begins (a resume's).
+        planned_steps: the updates the framework planned (its LR schedule's length); None for none.
+        planned_by_forecast: the framework plans what the forecast says (Lightning): take the plan from it.
+        plan: what the forecast is made from (None: no forecast).
+        start_epoch, skip: where a resumed run starts (0-based epoch, micro-batches already done in it).
+        layout: how the run splits its data, kept in every record.
+        action: what acts for the policy (default: the policy's own action).
+        checks_every_micro_batch: compare both counts after every micro-batch.
+        record: the record of the checkpoint this run resumes from, if any; ``record_problem`` why it could not
+            be read.
+        shift: what a resume on another layout skips and trains twice.
+        inherited_remedy: what the event of a drift found at the start tells the user (default: the run's remedy).
+    """
+
+    framework: Framework
+    policy: Policy
+    engine: Any
+    behaviour: StackBehaviour
+    n: Optional[int]
+    g: int
+    output: ConsoleOutput
+    is_main: bool = True
+    trainer_steps: int = 0
+    planned_steps: Optional[int] = None
+    planned_by_forecast: bool = False
+    plan: Optional[RunPlan] = None
+    start_epoch: int = 0
+    skip: int = 0
+    layout: Optional[Layout] = None
+    action: Optional[PolicyAction] = None
+    checks_every_micro_batch: bool = False
+    record: Optional[ResumeRecord] = None
+    record_problem: Optional[str] = None
+    shift: Optional[ResumeShift] = None
+    inherited_remedy: Optional[str] = None
+
+
+def idle_report(framework: Framework, policy: Policy, reason: str = "", level: int = logging.INFO,
+                speaks: bool = True) -> SyncReport:
+    """The report of a run stepsync does not watch (before training, or with nothing to check), saying why."""
+    report = SyncReport(policy, framework=framework, inactive_reason=reason)
+    if reason and speaks:
+        logger.log(level, "%s", reason)
+    return report
+
+
+def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None) -> Tuple[Run, Optional[Steering]]:
+    """Open the run ``start`` describes; returns it with what its policy asks of the framework at the start.
+
+    ``built`` receives the run as soon as it exists (the adapter keeps it, so that a failure from then on
+    switches it off, and adds what only it knows) before the policy starts.
+    """
+    report = SyncReport(start.policy, framework=start.framework, planned_steps=start.planned_steps)
+    run = Run(start.engine, start.behaviour, start.n, start.g, report, start.output,
+              start.action or action_for(start.policy), start_epoch=start.start_epoch, skip=start.skip,
+              is_main=start.is_main, plan=start.plan, checks_every_micro_batch=start.checks_every_micro_batch,
+              layout=start.layout)
+    if built is not None:
+        built(run)
+    report.active = True
+    run.state_what_differs(start.framework.whose_g)
+    if start.record_problem:
+        run.error(f"{start.record_problem}; the report covers this run only")
+    _say_the_shift(run, start.shift)
+    report.trainer_steps, report.engine_steps = start.trainer_steps, start.engine.global_steps
+    report.inherited_drift = report.drift
+    steering = run.begin()
+    if start.plan is not None:
+        predicted = forecast(start.plan, start.behaviour, report.policy)
+        predicted.resume_shift = start.shift
+        if start.planned_by_forecast:
+            report.planned_steps = predicted.planned_steps
+        elif report.planned_steps is not None and predicted.planned_steps != report.planned_steps:
+            run.note(f"{start.framework.name} planned max_steps={report.planned_steps}, the forecast "
+                     f"{predicted.planned_steps}: the forecast may be off for this release")
+        run.announce(predicted)
+    if start.record is not None:
+        continue_from(run, start.record)
+    run.check(start.trainer_steps, "train_begin", start.inherited_remedy)
+    return run, steering
+
+
+def _say_the_shift(run: Run, shift: Optional[ResumeShift]) -> None:
+    """A resume on another layout: said as a note where it lands exactly, else warned, or refused under raise."""
+    if shift is None:
+        return
+    run.report.resume_shift = shift
+    if shift.exact:
+        run.note(shift.message())
+    elif run.report.policy is Policy.RAISE:
+        raise StepSyncConfigError(f"{shift.message()}; policy 'raise' stops every rank before the first micro-batch")
+    else:
+        run.warn(shift.message())
+
+
+def close_run(report: SyncReport, run: Optional[Run], trainer_steps: int,
+              loaded_folder: Optional[str] = None) -> SyncReport:
+    """Training ended: give the engine its own boundary back and make the report final (once observing ended, its
+    counts stay those of the last check). ``loaded_folder``: the checkpoint the framework loaded after training."""
+    report.finished = True
+    if run is None:
+        return report
+    if run.finish(trainer_steps):
+        # The framework loaded a checkpoint into the engine after training (the Trainer's load_best_model_at_end):
+        # the report keeps the counts of the training that happened.
+        report.loaded_checkpoint = LoadedCheckpoint(loaded_folder, step_of(loaded_folder), run.engine.global_steps)
+        run.note(f"after training {report.framework.name} loaded {report.loaded_checkpoint}; this report describes "
+                 "the training that happened")
+    if run.observing:
+        if report.forecast is not None:  # the resume's shift has its own line
+            report.update_flaws = what_the_updates_miss(replace(report.forecast, resume_shift=None))
+        run.summarize()
+    return report
