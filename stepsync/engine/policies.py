@@ -14,7 +14,7 @@ from ..core.events import DriftEvent
 from ..core.forecast import forecast
 from ..core.versions import EngineBoundary
 from .deepspeed import BoundaryOverride
-from .steering import AT_DRIFT, AT_UPDATES, EVERY_MICRO_BATCH, NEVER, PolicyAction, RunView, Steering
+from .steering import PolicyAction, RunView, Steering, Steers
 
 
 def lowered_plan(run: RunView, policy: Policy, reaching: str) -> Optional[Steering]:
@@ -50,7 +50,7 @@ class RealignAction(PolicyAction):
     """The Trainer follows DeepSpeed: its count is set to ``engine.global_steps``."""
 
     policy = Policy.REALIGN
-    steers = AT_DRIFT
+    steers = Steers.AT_DRIFT
 
     def begin(self, run: RunView) -> Optional[Steering]:
         if run.behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER and not run.report.inherited_drift:
@@ -77,7 +77,7 @@ class SyncAction(PolicyAction):
     """DeepSpeed follows the Trainer: the engine's boundary is set before every micro-batch."""
 
     policy = Policy.SYNC
-    steers = EVERY_MICRO_BATCH
+    steers = Steers.EVERY_MICRO_BATCH
 
     def __init__(self) -> None:
         self.override: Optional[BoundaryOverride] = None
@@ -141,7 +141,7 @@ class FollowTheLoop(SyncAction):
     ``no_backward_sync``): the engine's boundary is set from that word before each micro-batch. A loop's count
     cannot be realigned, so an engine that cannot be steered is refused at the start."""
 
-    steers = NEVER
+    steers = Steers.NEVER
 
     def begin(self, run: RunView) -> Optional[Steering]:
         if run.behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER:
@@ -170,7 +170,7 @@ class DropLastAction(PolicyAction):
     """Every epoch ends after its last full window: the trailing micro-batches are not trained."""
 
     policy = Policy.DROP_LAST
-    steers = AT_UPDATES
+    steers = Steers.AT_UPDATES
 
     def __init__(self) -> None:
         self.last_full_window: Optional[int] = None

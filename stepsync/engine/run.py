@@ -82,7 +82,7 @@ class Run(Messages):
         self.is_main = is_main
         self.plan = plan
         self.action = action
-        self.steers = self.action.steers
+        self.steers = int(self.action.steers)  # a plain int: compared on every micro-batch
         self.epoch = start_epoch - 1
         self.start_epoch = start_epoch
         self.skip = skip
@@ -186,7 +186,7 @@ class Run(Messages):
     def _took(self, steering: Optional[Steering]) -> Optional[Steering]:
         if steering is not None and steering.replacement is not None:
             self.action = steering.replacement
-            self.steers = self.action.steers
+            self.steers = int(self.action.steers)  # a plain int: compared on every micro-batch
         return steering
 
     # ------------------------------------------------------------ checks

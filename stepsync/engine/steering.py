@@ -27,7 +27,8 @@ class Steers(IntEnum):
     EVERY_MICRO_BATCH = 3
 
 
-NEVER, AT_DRIFT, AT_UPDATES, EVERY_MICRO_BATCH = Steers  # plain names: the hot path reads no class attribute
+# Plain ints for the run's hot path: CPython's fast comparison is for exact ints, not an IntEnum's members.
+NEVER, AT_DRIFT, AT_UPDATES, EVERY_MICRO_BATCH = (int(member) for member in Steers)
 
 
 class RunView(Protocol):
@@ -77,7 +78,7 @@ class PolicyAction:
     """Watch only. Subclasses override the points where they act."""
 
     policy = Policy.WARN
-    steers = NEVER  # when the run calls after_micro_batch
+    steers = Steers.NEVER  # when the run calls after_micro_batch
 
     def begin(self, run: RunView) -> Optional[Steering]:
         """At the start of training, after the forecast."""
