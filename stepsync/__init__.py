@@ -13,6 +13,7 @@ _PUBLIC = {
     "RunPlan": "core.plan",
     "Cause": "core.events", "DriftEvent": "core.events",
     "StepSyncError": "core.errors", "StepDriftError": "core.errors", "StepSyncConfigError": "core.errors",
+    "UpdateSkippedError": "core.errors", "SkippedUpdate": "core.events",
     "SyncReport": "core.report",
     "Stack": "core.versions", "behaviour_of": "core.versions",
     "StepSyncCallback": "trainer.callback",

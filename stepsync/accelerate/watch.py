@@ -20,7 +20,7 @@ from typing import Any, Optional, Union
 from ..core.choices import Policy
 from ..core.errors import StepSyncConfigError, UnsupportedVersion
 from ..core.events import Cause
-from ..core.frameworks import ACCELERATE_LOOP
+from ..core.frameworks import ACCELERATE_LOOP, SKIPPED_METRIC
 from ..core.plan import RunPlan
 from ..core.report import SyncReport
 from ..core.versions import EngineBoundary, PlannedSteps, Stack, TrainerRule, behaviour_of
@@ -159,15 +159,15 @@ class LoopWatch(Adapter):
             self.loop_steps += 1
         run.after_micro_batch(self._counts_update, self.loop_steps)
         if self._counts_update and run.observing and getattr(self.accelerator, "trackers", None):
-            self._observe("accelerator.log", self._log_metrics, run.engine_steps_seen)
+            self._observe("accelerator.log", self._log_metrics, run.engine_steps_seen, run.skipped_seen)
         if getattr(self.accelerator.gradient_state, "end_of_dataloader", False):
             run.end_epoch(self.loop_steps)
             self._epoch_open = False
 
-    def _log_metrics(self, engine_steps: int) -> None:
+    def _log_metrics(self, engine_steps: int, skipped: int) -> None:
         loop, engine, drift = ACCELERATE_LOOP.metric_keys
-        self.accelerator.log({loop: self.loop_steps, engine: engine_steps, drift: self.loop_steps - engine_steps},
-                             step=self.loop_steps)
+        self.accelerator.log({loop: self.loop_steps, engine: engine_steps, drift: self.loop_steps - engine_steps,
+                              **({SKIPPED_METRIC: skipped} if skipped else {})}, step=self.loop_steps)
 
     # ------------------------------------------------------------ end
 

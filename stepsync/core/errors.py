@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .events import DriftEvent
+    from .events import DriftEvent, SkippedUpdate
 
 
 class StepSyncError(Exception):
@@ -18,6 +18,16 @@ class StepDriftError(StepSyncError, RuntimeError):
     def __init__(self, event: DriftEvent) -> None:
         self.event = event
         super().__init__(event.message())
+
+
+class UpdateSkippedError(StepSyncError, RuntimeError):
+    """Raised by policy ``'raise'`` at the first update the engine counted but did not apply because a gradient
+    was not finite (not at fp16's loss-scale search); carries the :class:`SkippedUpdate`."""
+
+    def __init__(self, skip: SkippedUpdate) -> None:
+        self.skip = skip
+        super().__init__(f"the DeepSpeed engine skipped {skip}; policy 'raise' stops before another update: find the "
+                         "micro-batch whose loss is not finite in that window")
 
 
 class StepSyncConfigError(StepSyncError, ValueError):

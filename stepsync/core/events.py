@@ -1,4 +1,5 @@
-"""Why and where the two counts parted: one :class:`DriftEvent` per change of the drift."""
+"""What happened to the counts: one :class:`DriftEvent` per change of the drift, one :class:`SkippedUpdate` per
+update the engine counted but did not apply."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -65,3 +66,27 @@ class DriftEvent:
         fields = {k: v for k, v in data.items() if k != "drift"}
         fields["cause"] = Cause[fields["cause"]]
         return cls(**fields)
+
+
+@dataclass(frozen=True)
+class SkippedUpdate:
+    """An update the engine counted in ``global_steps`` but did not apply: its window trained nothing.
+
+    Attributes:
+        epoch: 1-based epoch.
+        micro_batch: the micro-batch of that epoch at which the engine closed the window.
+        engine_steps: the engine's count with this update in it.
+        by_design: fp16's dynamic loss scale skipped it while searching for a scale (DeepSpeed's "OVERFLOW!
+            Skipping step"), which it does by design; otherwise (bf16, fp32) a gradient was not finite and the
+            window's data is lost.
+    """
+
+    epoch: int
+    micro_batch: int
+    engine_steps: int
+    by_design: bool = False
+
+    def __str__(self) -> str:
+        why = ("fp16's loss scale was searching (by design)" if self.by_design else
+               "a gradient was not finite; the window's micro-batches trained nothing")
+        return f"update {self.engine_steps} at epoch {self.epoch}, micro-batch {self.micro_batch}: {why}"

@@ -92,3 +92,4 @@ FABRIC_LOOP = Framework(
     remedy="use stepsync.lightning.watch(fabric, ..., policy='sync')")
 
 FRAMEWORKS = (TRAINER, LIGHTNING, ACCELERATE_LOOP, FABRIC_LOOP)
+SKIPPED_METRIC = "stepsync/updates_skipped"  # beside each framework's metrics, once the engine has skipped one

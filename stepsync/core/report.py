@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional
 
 from .choices import Policy
-from .events import DriftEvent
+from .events import DriftEvent, SkippedUpdate
 from .frameworks import TRAINER, Framework
 from .prediction import Forecast
 from .record import ResumeRecord
@@ -20,12 +20,15 @@ class EpochCount:
         epoch: 1-based epoch.
         micro_batches: micro-batches this run trained in it (fewer than N after a resume or an early stop).
         trainer_steps, engine_steps: the two counts at its end.
+        engine_skipped: of ``engine_steps``, the updates the engine counted but did not apply (its
+            ``skipped_steps``).
     """
 
     epoch: int
     micro_batches: int
     trainer_steps: int
     engine_steps: int
+    engine_skipped: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,9 @@ class SyncReport:
         update_flaws: what the updates themselves got wrong beyond the counts, as the forecast the run's counts
             matched says (each micro-batch's weight, gradients cleared before the engine applied them, windows
             across epochs); empty when each update trained what the framework means by one.
+        engine_skipped: of ``engine_steps``, the updates the engine counted but did not apply (its own
+            ``skipped_steps``, kept across resumes); ``applied_steps`` is the rest.
+        skipped_updates: each update this run saw the engine skip, where (:class:`SkippedUpdate`).
     """
 
     policy: Policy
@@ -100,6 +106,8 @@ class SyncReport:
     framework: Framework = TRAINER
     resume_shift: Optional[ResumeShift] = None
     update_flaws: List[str] = field(default_factory=list)
+    engine_skipped: int = 0
+    skipped_updates: List[SkippedUpdate] = field(default_factory=list)
 
     @property
     def counter(self) -> str:
@@ -129,8 +137,9 @@ class SyncReport:
                  f"{self.engine_steps} (drift {self.drift:+d}"
                  + (f", {self.inherited_drift:+d} inherited)" if self.inherited_drift else ")")]
         if self.planned_steps is not None:
-            lines.append(f"schedule: planned {self.planned_steps}, made {self.engine_steps}"
+            lines.append(f"schedule: planned {self.planned_steps}, made {self.made()}"
                          + ("" if self.schedule_finished else f" ({self.missed_updates} not made)"))
+        lines += [f"skipped {skip}" for skip in self._first_and_last_skips()]
         if self.epochs:
             lines.append(f"trained: {len(self.epochs)} epoch(s), {self.micro_batches} micro-batch(es)")
         if self.resume_shift is not None and not self.resume_shift.exact:
@@ -143,16 +152,37 @@ class SyncReport:
         return "\n".join(lines)
 
     @property
+    def applied_steps(self) -> int:
+        """The engine's updates that it applied: those it counted, less those it skipped."""
+        return self.engine_steps - self.engine_skipped
+
+    @property
+    def lost_updates(self) -> List[SkippedUpdate]:
+        """The skipped updates whose data is lost (not fp16's loss-scale search)."""
+        return [skip for skip in self.skipped_updates if not skip.by_design]
+
+    @property
     def missed_updates(self) -> int:
-        """Planned updates the engine did not make (what policy ``realign`` or a drift leaves undone)."""
-        return max((self.planned_steps or 0) - self.engine_steps, 0)
+        """Planned updates the engine did not apply (what policy ``realign``, a drift or a skip leaves undone)."""
+        return max((self.planned_steps or 0) - self.applied_steps, 0)
 
     @property
     def schedule_finished(self) -> Optional[bool]:
-        """Whether the engine (which steps the LR scheduler) made every update the Trainer planned."""
+        """Whether the engine applied every update the framework planned (DeepSpeed steps its LR scheduler only
+        at an update it applies)."""
         if self.planned_steps is None:
             return None
-        return self.engine_steps >= self.planned_steps
+        return self.applied_steps >= self.planned_steps
+
+    def made(self) -> str:
+        """The engine's updates in words: ``"4"``, or ``"4 (1 skipped, 3 applied)"``."""
+        if not self.engine_skipped:
+            return str(self.engine_steps)
+        return f"{self.engine_steps} ({self.engine_skipped} skipped, {self.applied_steps} applied)"
+
+    def _first_and_last_skips(self) -> List[SkippedUpdate]:
+        skips = self.skipped_updates
+        return skips if len(skips) <= 2 else [skips[0], skips[-1]]
 
     def to_dict(self) -> dict:
         """Every field but the forecast (``forecast.to_dict()`` gives it), JSON-ready, with the drift and the
@@ -160,7 +190,7 @@ class SyncReport:
         data = asdict(replace(self, forecast=None, events=[], resumed_from=None, resume_shift=None))
         del data["forecast"]
         data.update(policy=self.policy.value, framework=self.framework.name, counter=self.counter, drift=self.drift,
-                    missed_updates=self.missed_updates,
+                    missed_updates=self.missed_updates, applied_steps=self.applied_steps,
                     events=[event.to_dict() for event in self.events],
                     dropped_micro_batches={str(k): v for k, v in self.dropped_micro_batches.items()},
                     resumed_from=self.resumed_from.to_dict() if self.resumed_from else None,

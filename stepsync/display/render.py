@@ -100,9 +100,16 @@ def summary_view(report: SyncReport) -> Panel:
     if report.planned_steps is not None:
         finished = report.schedule_finished
         lines.append(f"\nschedule: {report.counter} planned {report.planned_steps} updates, the engine made "
-                     f"{report.engine_steps}: " + ("finished" if finished else
-                                                   f"NOT finished ({report.missed_updates} not made)"),
+                     f"{report.made()}: " + ("finished" if finished else
+                                             f"NOT finished ({report.missed_updates} not made)"),
                      style=None if finished else "yellow")
+    lost = report.lost_updates
+    if lost:
+        where = f"first {lost[0]}" + (f"; last {lost[-1]}" if len(lost) > 1 else "")
+        lines.append(f"\nthe engine skipped {len(lost)} update(s) it counted: {where}", style="bold red")
+    if len(lost) < len(report.skipped_updates):
+        lines.append(f"\nfp16's loss scale skipped {len(report.skipped_updates) - len(lost)} update(s) while "
+                     "searching for a scale (by design)")
     shift = report.resume_shift
     if shift is not None and not shift.exact:
         lines.append(f"\nresumed on another layout: {shift.message()}", style="bold red")
@@ -119,7 +126,7 @@ def summary_view(report: SyncReport) -> Panel:
     parts: List[Any] = [lines]
     if report.events:
         parts.append(events_table(report.events, report.framework.who))
-    troubled = report.drift or report.update_flaws or (shift is not None and not shift.exact)
+    troubled = report.drift or report.update_flaws or lost or (shift is not None and not shift.exact)
     return Panel(Group(*parts), title="stepsync summary", border_style="red" if troubled else "green")
 
 

@@ -44,12 +44,24 @@ class EngineFacts:
         can_override_boundary: ``set_gradient_accumulation_boundary`` exists and is allowed.
         why_not: why the boundary cannot be overridden, when it cannot.
         managed_accumulation: DeepSpeed's ``managed_gradient_accumulation`` (True when it has none).
+        counts_skips: the engine keeps ``skipped_steps``, the updates it counted but did not apply.
+        skips_by_design: fp16 with a dynamic loss scale, which skips updates while it searches for a scale.
+        gradient_clipping: the clip norm the engine applies (0: none; None if it does not say).
     """
 
     gradient_accumulation_steps: Optional[int]
     can_override_boundary: bool
     why_not: str = ""
     managed_accumulation: bool = True
+    counts_skips: bool = True
+    skips_by_design: bool = False
+    gradient_clipping: Optional[float] = None
+
+
+def _asked(engine: Any, name: str) -> Any:
+    """``engine.name()``, or None when the engine has no such call."""
+    value = getattr(engine, name, None)
+    return value() if callable(value) else None
 
 
 def engine_facts(engine: Any) -> EngineFacts:
@@ -57,13 +69,17 @@ def engine_facts(engine: Any) -> EngineFacts:
     gas = gas() if callable(gas) else gas
     managed = getattr(engine, "managed_gradient_accumulation", None)
     managed = bool(managed()) if callable(managed) else True
+    why_not = ""
     if not callable(getattr(engine, "set_gradient_accumulation_boundary", None)):
-        return EngineFacts(gas, False, "this engine has no set_gradient_accumulation_boundary (DeepSpeed < 0.5.8?)",
-                           managed)
-    if not managed:
-        return EngineFacts(gas, False, "DeepSpeed's managed_gradient_accumulation is false: every step() is a boundary",
-                           managed)
-    return EngineFacts(gas, True)
+        why_not = "this engine has no set_gradient_accumulation_boundary (DeepSpeed < 0.5.8?)"
+    elif not managed:
+        why_not = "DeepSpeed's managed_gradient_accumulation is false: every step() is a boundary"
+    clip = _asked(engine, "gradient_clipping")
+    searches_a_scale = bool(_asked(engine, "fp16_enabled")) and bool(_asked(engine, "dynamic_loss_scale"))
+    return EngineFacts(gas, not why_not, why_not, managed,
+                       counts_skips=isinstance(getattr(engine, "skipped_steps", None), int),
+                       skips_by_design=searches_a_scale,
+                       gradient_clipping=float(clip) if isinstance(clip, (int, float)) else None)
 
 
 class BoundaryOverride:

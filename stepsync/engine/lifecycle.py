@@ -53,6 +53,8 @@ class RunStart:
             be read.
         shift: what a resume on another layout skips and trains twice.
         inherited_remedy: what the event of a drift found at the start tells the user (default: the run's remedy).
+        asked_clip: the gradient clipping norm the user asked of the framework (the Trainer's ``max_grad_norm``),
+            held against the one the engine applies; None where the framework asks none.
     """
 
     framework: Framework
@@ -76,6 +78,7 @@ class RunStart:
     record_problem: Optional[str] = None
     shift: Optional[ResumeShift] = None
     inherited_remedy: Optional[str] = None
+    asked_clip: Optional[float] = None
 
 
 def idle_report(framework: Framework, policy: Policy, reason: str = "", level: int = logging.INFO,
@@ -105,7 +108,9 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None) -> 
     if start.record_problem:
         run.error(f"{start.record_problem}; the report covers this run only")
     _say_the_shift(run, start.shift)
+    _say_the_clip(run, start.asked_clip)
     report.trainer_steps, report.engine_steps = start.trainer_steps, start.engine.global_steps
+    report.engine_skipped = run.skipped_seen
     report.inherited_drift = report.drift
     steering = run.begin()
     if start.plan is not None:
@@ -134,6 +139,20 @@ def _say_the_shift(run: Run, shift: Optional[ResumeShift]) -> None:
         raise StepSyncConfigError(f"{shift.message()}; policy 'raise' stops every rank before the first micro-batch")
     else:
         run.warn(shift.message())
+
+
+def _say_the_clip(run: Run, asked: Optional[float]) -> None:
+    """The clip norm in force against the one asked: a warning naming the fix, or refused under raise."""
+    applied = run.facts.gradient_clipping
+    if asked is None or applied is None or abs(applied - asked) <= 1e-12:
+        return
+    text = (f"{run.report.framework.name} asks to clip gradients at {asked:g} but the DeepSpeed engine "
+            + (f"clips at {applied:g}" if applied else "does not clip at all")
+            + " (the DeepSpeed config's gradient_clipping, or this DeepSpeed release's default where the config "
+              "has none, wins); set \"gradient_clipping\": \"auto\" in the DeepSpeed config")
+    if run.report.policy is Policy.RAISE:
+        raise StepSyncConfigError(f"{text}; policy 'raise' stops before the first micro-batch")
+    run.warn(text)
 
 
 def close_run(report: SyncReport, run: Optional[Run], trainer_steps: int,

@@ -10,6 +10,7 @@ from ..display import render
 from ..display.output import logger
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..core.events import SkippedUpdate
     from ..core.report import SyncReport
     from ..core.versions import StackBehaviour
     from .deepspeed import EngineFacts
@@ -54,6 +55,18 @@ class Messages:
         for caveat in self.behaviour.caveats:
             self.note(caveat)
 
+    def say_skipped(self, skip: SkippedUpdate) -> None:
+        """The first skipped update of each kind, said at once; the summary counts the rest."""
+        if sum(s.by_design == skip.by_design for s in self.report.skipped_updates) > 1:
+            return
+        if skip.by_design:
+            self.note(f"the engine skipped {skip}: fp16's dynamic loss scale skips updates while it searches for a "
+                      "scale; engine.global_steps counts them, and the report counts them apart")
+            return
+        self.warn(f"the engine skipped {skip}. engine.global_steps counts it all the same, and the LR schedule "
+                  "does not move for it; find the micro-batch whose loss is not finite in that window (policy "
+                  "'raise' stops at the first such update); later skips are counted in the report")
+
     def announce(self, predicted: Forecast) -> None:
         """The forecast at the start: its verdict, its table, and an early end said as a warning."""
         self.report.forecast = predicted
@@ -68,6 +81,6 @@ class Messages:
         """The summary at the end, once."""
         if self.is_main:
             report = self.report
-            logger.info("%s counted %d updates, engine made %d (drift %+d)", report.counter,
-                        report.trainer_steps, report.engine_steps, report.drift)
+            logger.info("%s counted %d updates, engine made %s (drift %+d)", report.counter,
+                        report.trainer_steps, report.made(), report.drift)
             self.output.show(render.summary_view, report, logging.INFO)

@@ -9,8 +9,8 @@ from typing import Dict, Optional, Type
 
 from ..core import rules
 from ..core.choices import Policy
-from ..core.errors import StepDriftError, StepSyncConfigError
-from ..core.events import DriftEvent
+from ..core.errors import StepDriftError, StepSyncConfigError, UpdateSkippedError
+from ..core.events import DriftEvent, SkippedUpdate
 from ..core.forecast import forecast
 from ..core.versions import EngineBoundary
 from .deepspeed import BoundaryOverride
@@ -44,6 +44,11 @@ class RaiseAction(PolicyAction):
     def on_drift(self, event: DriftEvent) -> None:
         # Every rank reads the same counters at the same step, so every rank raises here.
         raise StepDriftError(event)
+
+    def on_skipped_update(self, skip: SkippedUpdate) -> None:
+        # DeepSpeed agrees on a skip across ranks (its overflow check is all-reduced): every rank raises here.
+        if not skip.by_design:
+            raise UpdateSkippedError(skip)
 
 
 class RealignAction(PolicyAction):

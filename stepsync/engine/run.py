@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from ..core.choices import Policy
 from ..core.errors import StepSyncError
-from ..core.events import Cause, DriftEvent
+from ..core.events import Cause, DriftEvent, SkippedUpdate
 from ..core.plan import RunPlan
 from ..core.prediction import Forecast
 from ..core.relayout import Layout
@@ -64,6 +64,7 @@ class Run(Messages):
 
     # What every micro-batch reads comes first: it shares the object's first cache lines.
     __slots__ = ("position", "engine", "engine_steps_seen", "since_engine_update", "steers", "observing", "report",
+                 "counts_skips", "skipped_seen",
                  "last_drift", "trainer_steps_seen", "action", "engine_at_last_update", "engine_moved_in_window",
                  "facts", "behaviour", "n", "g", "output", "is_main", "plan", "epoch", "start_epoch", "skip",
                  "done_before_epoch", "t_before_epoch", "remedy", "known_cause", "checks_every_micro_batch", "layout")
@@ -90,6 +91,8 @@ class Run(Messages):
         self.done_before_epoch = 0
         self.t_before_epoch = 0
         self.engine_steps_seen = engine.global_steps
+        self.counts_skips = self.facts.counts_skips
+        self.skipped_seen = engine.skipped_steps if self.counts_skips else 0
         self.engine_at_last_update = self.engine_steps_seen
         self.trainer_steps_seen = 0
         self.engine_moved_in_window = False
@@ -132,6 +135,8 @@ class Run(Messages):
         if engine_updated:
             self.engine_steps_seen = engine_steps
             self.since_engine_update = 0
+            if self.counts_skips and self.engine.skipped_steps != self.skipped_seen:  # once per update, not batch
+                self._took_a_skip()
         else:
             self.since_engine_update += 1
         steers = self.steers
@@ -157,6 +162,8 @@ class Run(Messages):
     def end_epoch(self, trainer_steps: int) -> Optional[Steering]:
         """The epoch is over: the policy's last word on it, then its check and its counts in the report."""
         self.engine_steps_seen = self.engine.global_steps
+        if self.counts_skips and self.engine.skipped_steps != self.skipped_seen:
+            self._took_a_skip()
         steering = self._took(self.action.at_epoch_end(self, trainer_steps))
         if steering is not None and steering.trainer_steps is not None:
             trainer_steps = steering.trainer_steps
@@ -173,6 +180,7 @@ class Run(Messages):
             return False
         self.report.trainer_steps = trainer_steps
         self.report.engine_steps = self.engine_steps_seen
+        self.report.engine_skipped = self.skipped_seen
         self.report.unapplied_micro_batches = self.since_engine_update
         return self.engine.global_steps != self.engine_steps_seen
 
@@ -234,7 +242,7 @@ class Run(Messages):
         """The epoch's check, its counts in the report, and their comparison with the forecast."""
         self.check(trainer_steps, "epoch_end")
         self.report.epochs.append(EpochCount(self.epoch + 1, self.position - self._first_position(), trainer_steps,
-                                             self.engine_steps_seen))
+                                             self.engine_steps_seen, self.skipped_seen))
         predicted: Optional[Forecast] = self.report.forecast
         if predicted is None:
             return
@@ -248,6 +256,17 @@ class Run(Messages):
             if len(self.report.forecast_mismatches) == 1 and self.is_main:
                 why = f"because of the {self.known_cause.value}" if self.known_cause else "please report this stack"
                 logger.warning("%s; %s", text, why)
+
+    def _took_a_skip(self) -> None:
+        """The engine counted an update it did not apply (its ``skipped_steps`` rose): the report keeps where, the
+        policy hears of it, and the first whose data is lost is said at once (the summary counts the rest)."""
+        self.skipped_seen = self.engine.skipped_steps
+        skip = SkippedUpdate(max(self.epoch, 0) + 1, self.position, self.engine_steps_seen, self.facts.skips_by_design)
+        self.report.engine_skipped = self.skipped_seen
+        self.report.skipped_updates.append(skip)
+        if self.observing:
+            self._observe(self.say_skipped, skip)
+        self.action.on_skipped_update(skip)
 
     def drop(self, epoch: int, micro_batches: int) -> None:
         """``micro_batches`` of (1-based) ``epoch`` are left untrained by the policy."""

@@ -11,7 +11,7 @@ from enum import IntEnum
 from typing import Any, Optional, Protocol
 
 from ..core.choices import Policy
-from ..core.events import DriftEvent
+from ..core.events import DriftEvent, SkippedUpdate
 from ..core.plan import RunPlan
 from ..core.report import SyncReport
 from ..core.versions import StackBehaviour
@@ -107,6 +107,9 @@ class PolicyAction:
 
     def on_drift(self, event: DriftEvent) -> None:
         """When the drift changes."""
+
+    def on_skipped_update(self, skip: SkippedUpdate) -> None:
+        """When the engine counted an update it did not apply."""
 
     def end(self, run: RunView) -> None:
         """At the end of training or when stepsync switches itself off: leave the engine as it was."""

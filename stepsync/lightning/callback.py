@@ -156,7 +156,8 @@ class StepSyncCallback(Callback, Adapter):
         self._last_count = count
         run.after_micro_batch(updated, count)  # no steering reaches Lightning's loop: it is set before the epoch
         if updated and run.observing:
-            self._observe("on_train_batch_end", lightning_facts.add_metrics, pl_module, count, run.engine_steps_seen)
+            self._observe("on_train_batch_end", lightning_facts.add_metrics, pl_module, count, run.engine_steps_seen,
+                          run.skipped_seen)
 
     @guarded(steering=True)
     def on_train_epoch_end(self, run: Run, trainer, pl_module) -> None:

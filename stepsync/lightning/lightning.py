@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from ..core.frameworks import LIGHTNING
+from ..core.frameworks import LIGHTNING, SKIPPED_METRIC
 from ..engine.deepspeed import is_engine
 
 
@@ -68,8 +68,12 @@ def scale_the_loss_once(engine: Any) -> Optional[int]:
     return before
 
 
-def add_metrics(module: Any, lightning_steps: int, engine_steps: int) -> None:
-    """Both counts and the drift, through Lightning's own ``log`` (its loggers and ``callback_metrics``)."""
+def add_metrics(module: Any, lightning_steps: int, engine_steps: int, skipped: int = 0) -> None:
+    """Both counts and the drift (and the engine's skipped updates, once there is one), through Lightning's own
+    ``log`` (its loggers and ``callback_metrics``)."""
     counted, engine, drift = LIGHTNING.metric_keys
-    module.log_dict({counted: float(lightning_steps), engine: float(engine_steps),
-                     drift: float(lightning_steps - engine_steps)}, on_step=True, on_epoch=False)
+    metrics = {counted: float(lightning_steps), engine: float(engine_steps),
+               drift: float(lightning_steps - engine_steps)}
+    if skipped:
+        metrics[SKIPPED_METRIC] = float(skipped)
+    module.log_dict(metrics, on_step=True, on_epoch=False)

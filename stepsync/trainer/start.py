@@ -62,7 +62,8 @@ def start_run(trainer: Any, args: Any, state: Any, engine: Any, train_dataloader
         TRAINER, policy, engine, behaviour, n, g, output, is_main=is_main, trainer_steps=state.global_step,
         planned_steps=state.max_steps, plan=plan, start_epoch=start_epoch, skip=skip, layout=layout, record=record,
         record_problem=record_problem, shift=shift,
-        inherited_remedy=REUSED_ENGINE_REMEDY if state.global_step == 0 else INHERITED_REMEDY), built)
+        inherited_remedy=REUSED_ENGINE_REMEDY if state.global_step == 0 else INHERITED_REMEDY,
+        asked_clip=trainer_facts.asked_clip(args)), built)
     if steering is not None and steering.max_steps is not None:
         state.max_steps = steering.max_steps
     return run

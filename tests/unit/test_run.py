@@ -8,7 +8,7 @@ The real Trainer and DeepSpeed are exercised by tests/integration; these pin the
 import pytest
 
 from stepsync.core.choices import Policy
-from stepsync.core.errors import StepDriftError, StepSyncConfigError
+from stepsync.core.errors import StepDriftError, StepSyncConfigError, StepSyncError, UpdateSkippedError
 from stepsync.core.events import Cause
 from stepsync.core.frameworks import ACCELERATE_LOOP, LIGHTNING, TRAINER
 from stepsync.core.lightning_versions import LightningStack, lightning_behaviour_of
@@ -25,13 +25,19 @@ ALIGNED = Stack("5.24.0", "1.16.0", "0.19.8")
 class FakeEngine:
     """DeepSpeed's counters and boundary, nothing else."""
 
-    def __init__(self, g, steerable=True):
+    def __init__(self, g, steerable=True, skips=(), clip=None, fp16=False):
         self.global_steps = 0
+        self.skipped_steps = 0
         self.micro_steps = 0
         self._g = g
+        self._skips = set(skips)  # the updates (1-based) whose gradients are not finite: counted, not applied
         self._is_gradient_accumulation_boundary = None
         if not steerable:
             self.set_gradient_accumulation_boundary = None
+        if clip is not None:
+            self.gradient_clipping = lambda: clip
+        if fp16:
+            self.fp16_enabled = self.dynamic_loss_scale = lambda: True
 
     def gradient_accumulation_steps(self):
         return self._g
@@ -44,6 +50,7 @@ class FakeEngine:
         if boundary is None:
             boundary = (self.micro_steps + 1) % self._g == 0
         self.global_steps += boundary
+        self.skipped_steps += boundary and self.global_steps in self._skips
         self.micro_steps += 1
 
 
@@ -226,3 +233,47 @@ def test_what_the_updates_miss_is_in_the_final_report_not_only_in_the_forecast()
     assert "updates: each micro-batch weighs 1/4 of its update" in str(report)
     assert report.to_dict()["update_flaws"] == report.update_flaws and report.to_dict()["framework"] == "Lightning"
     assert report.finished and report.planned_steps == 2 and report.events == []
+
+
+def test_an_update_the_engine_skips_is_counted_apart_where_it_happened():
+    engine = FakeEngine(2, skips={2})
+    run, _, count = drive("warn", 3, 2, 2, engine=engine)
+    report = run.report
+    assert [(s.epoch, s.micro_batch, s.engine_steps, s.by_design) for s in report.skipped_updates] == [(2, 1, 2, False)]
+    assert (report.engine_steps, report.engine_skipped, report.applied_steps) == (3, 1, 2)
+    assert [row.engine_skipped for row in report.epochs] == [0, 1]
+    assert report.missed_updates == 2 and not report.schedule_finished  # planned 4, applied 2
+    assert "schedule: planned 4, made 3 (1 skipped, 2 applied) (2 not made)" in str(report)
+    assert "skipped update 2 at epoch 2, micro-batch 1: a gradient was not finite" in str(report)
+    assert sum("the engine skipped update 2" in note for note in report.notes) == 1
+    assert report.to_dict()["applied_steps"] == 2 and report.to_dict()["skipped_updates"][0]["engine_steps"] == 2
+
+
+def test_raise_stops_at_the_first_skipped_update_before_another_is_made():
+    engine = FakeEngine(2, skips={1, 2})
+    with pytest.raises(UpdateSkippedError) as stopped:
+        drive("raise", 4, 2, 2, engine=engine)
+    assert (stopped.value.skip.engine_steps, engine.global_steps) == (1, 1)
+    assert isinstance(stopped.value, StepSyncError)
+
+
+def test_fp16s_loss_scale_search_is_counted_as_such_and_does_not_stop_raise():
+    engine = FakeEngine(2, skips={1}, fp16=True)
+    run, _, _ = drive("raise", 4, 2, 1, engine=engine)
+    assert [s.by_design for s in run.report.skipped_updates] == [True] and run.report.lost_updates == []
+    assert any("fp16's dynamic loss scale" in note for note in run.report.notes)
+
+
+@pytest.mark.parametrize("policy", ["warn", "raise"])
+def test_the_clip_norm_in_force_is_held_against_the_one_asked(policy):
+    def start(clip, asked):
+        return open_run(RunStart(TRAINER, Policy.parse(policy), FakeEngine(2, clip=clip), behaviour_of(DRIFTING), 3,
+                                 2, ConsoleOutput(False), asked_clip=asked))[0]
+
+    assert not any("clip" in note for note in start(1.0, 1.0).report.notes)
+    if policy == "raise":
+        with pytest.raises(StepSyncConfigError, match="does not clip at all.*gradient_clipping.*auto"):
+            start(0.0, 0.5)
+        return
+    notes = start(1.0, 0.5).report.notes
+    assert any("asks to clip gradients at 0.5 but the DeepSpeed engine clips at 1" in note for note in notes)
