@@ -139,6 +139,9 @@ class SyncReport:
         if self.planned_steps is not None:
             lines.append(f"schedule: planned {self.planned_steps}, made {self.made()}"
                          + ("" if self.schedule_finished else f" ({self.missed_updates} not made)"))
+        if self.engine_skipped:
+            lines.append(f"applied: {self.applied_steps} of the engine's {self.engine_steps} updates "
+                         f"({self.engine_skipped} skipped)")
         lines += [f"skipped {skip}" for skip in self._first_and_last_skips()]
         if self.epochs:
             lines.append(f"trained: {len(self.epochs)} epoch(s), {self.micro_batches} micro-batch(es)")

@@ -37,19 +37,22 @@ def rises(counts: List[int]) -> List[int]:
     return [i + 1 for i, value in enumerate(counts) if value > (counts[i - 1] if i else 0)]
 
 
-def loop_deepspeed_config(gas: int, stage: int = 0) -> dict:
+def loop_deepspeed_config(gas: int, stage: int = 0, bf16: bool = False) -> dict:
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
-            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
+            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+            **({"bf16": {"enabled": True}} if bf16 else {})}
 
 
 def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn", stage: int = 0,
              outside_accumulate: bool = False, seed: int = 0, trackers=(),
-             before_micro_batch: Optional[Callable[[int], None]] = None) -> LoopRun:
+             before_micro_batch: Optional[Callable[[int], None]] = None, bf16: bool = False,
+             nan_at: Optional[int] = None) -> LoopRun:
     """Train the tiny model with a loop shaped like transformers' run_clm_no_trainer.py on accelerate + DeepSpeed.
 
     ``policy=None`` runs without stepsync; ``outside_accumulate`` calls ``accelerator.backward`` outside
     ``accelerator.accumulate()`` (the pattern stepsync warns about); ``before_micro_batch`` is called with the
-    1-based index of each micro-batch (across epochs) before it runs.
+    1-based index of each micro-batch (across epochs) before it runs; ``bf16`` trains in bf16, and ``nan_at`` makes
+    that micro-batch's loss not finite.
     """
     cpu_distributed_env()
     import torch
@@ -64,8 +67,8 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
     # One process may run several loops (the tests do): accelerate keeps one shared state per process.
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    accelerator = Accelerator(gradient_accumulation_steps=gas,
-                              deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=loop_deepspeed_config(gas, stage)))
+    accelerator = Accelerator(gradient_accumulation_steps=gas, mixed_precision="bf16" if bf16 else None,
+                              deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=loop_deepspeed_config(gas, stage, bf16)))
     accelerator.trackers.extend(trackers)  # what init_trackers() would hold: accelerator.log() writes to them
     model = tiny_model(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -83,14 +86,16 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
         for _ in range(epochs):
             model.train()
             for batch in dataloader:
+                index = len(result.loop_steps) + 1
                 if before_micro_batch is not None:
-                    before_micro_batch(len(result.loop_steps) + 1)
+                    before_micro_batch(index)
+                scale = float("nan") if index == nan_at else 1.0
                 if outside_accumulate:
-                    accelerator.backward(model(**batch).loss)
+                    accelerator.backward(model(**batch).loss * scale)
                     optimizer.step(), scheduler.step(), optimizer.zero_grad()
                 else:
                     with accelerator.accumulate(model):
-                        accelerator.backward(model(**batch).loss)
+                        accelerator.backward(model(**batch).loss * scale)
                         optimizer.step(), scheduler.step(), optimizer.zero_grad()
                 if accelerator.sync_gradients:  # the loop's own count of updates, as in the examples
                     completed += 1

@@ -245,6 +245,7 @@ def test_an_update_the_engine_skips_is_counted_apart_where_it_happened():
     assert report.missed_updates == 2 and not report.schedule_finished  # planned 4, applied 2
     assert "schedule: planned 4, made 3 (1 skipped, 2 applied) (2 not made)" in str(report)
     assert "skipped update 2 at epoch 2, micro-batch 1: a gradient was not finite" in str(report)
+    assert "applied: 2 of the engine's 3 updates (1 skipped)" in str(report)
     assert sum("the engine skipped update 2" in note for note in report.notes) == 1
     assert report.to_dict()["applied_steps"] == 2 and report.to_dict()["skipped_updates"][0]["engine_steps"] == 2
 

@@ -1,0 +1,158 @@
+"""Updates the engine counts but does not apply: real Trainer, real DeepSpeed, bf16 on CPU, one micro-batch whose
+loss is made non-finite.
+
+The truth comes from a recorder of its own (never stepsync's view): after every micro-batch the engine's
+``global_steps`` and ``skipped_steps``, the LR its scheduler is at, and a fingerprint of the weights. DeepSpeed
+0.19.3 and later check bf16 gradients for overflow and skip that window's whole update: ``global_steps`` still
+rises, the weights do not move and the LR schedule holds. stepsync must count, place and say exactly that.
+"""
+import math
+from importlib.metadata import version
+
+import pytest
+from packaging.version import Version
+
+from harness.runs import run
+from harness.stack import needs_stack
+
+pytestmark = [needs_stack, pytest.mark.integration]
+
+
+def deepspeed_skips(stage):
+    """Whether this DeepSpeed skips a bf16 update whose gradients are not finite, as probed: 0.19.3 and later on
+    every ZeRO stage; before, ZeRO-0 only (0.18.4: ZeRO 1, 2 and 3 apply it, and every weight turns NaN)."""
+    return Version(version("deepspeed")) >= Version("0.19.3") or stage == 0
+
+
+def nan_trainer(at):
+    """A Trainer whose ``at``-th loss (1-based, over the run) is not finite."""
+    from transformers import Trainer
+
+    class NaNAt(Trainer):
+        losses = 0
+
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            loss = super().compute_loss(model, inputs, *args, **kwargs)
+            NaNAt.losses += 1
+            return loss * float("nan") if NaNAt.losses == at else loss
+
+    return NaNAt
+
+
+def truth_recorder(trainer_ref, rows):
+    """After every micro-batch: (epoch, position, global_steps, skipped_steps, LR, weights' fingerprint)."""
+    from transformers import TrainerCallback
+
+    class Truth(TrainerCallback):
+        position = 0
+
+        def on_epoch_begin(self, args, state, control, **kwargs):
+            Truth.position = 0
+
+        def _after(self, state):
+            Truth.position += 1
+            engine = trainer_ref[0].model_wrapped
+            weights = sum(float(p.detach().float().sum()) for p in engine.module.parameters())
+            rows.append((math.ceil(state.epoch or 0) or 1, Truth.position, engine.global_steps, engine.skipped_steps,
+                         engine.lr_scheduler.get_last_lr()[0], weights))
+
+        def on_substep_end(self, args, state, control, **kwargs):
+            self._after(state)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self._after(state)
+
+    return Truth()
+
+
+def skipping_run(tmp_path, monkeypatch, stage, g, nan_at, policy="warn", samples=6, epochs=1):
+    from stepsync.tools import tiny_run as testing
+
+    plain = testing.deepspeed_config
+    monkeypatch.setattr(testing, "deepspeed_config", lambda stage=0: dict(plain(stage), bf16={"enabled": "auto"}))
+    rows, trainer_ref = [], []
+    result = run(tmp_path, samples, g, epochs, stage=stage, policy=policy, bf16=True, trainer_class=nan_trainer(nan_at),
+                 extra_callbacks=[truth_recorder(trainer_ref, rows)], on_trainer=trainer_ref.append)
+    return result, rows
+
+
+def skips_in(rows):
+    """(epoch, position, global_steps) of every micro-batch where the engine's skipped_steps rose."""
+    found, before = [], 0
+    for epoch, position, steps, skipped, _, _ in rows:
+        if skipped != before:
+            found.append((epoch, position, steps))
+        before = skipped
+    return found
+
+
+@pytest.mark.parametrize("stage, g, nan_at", [(0, 2, 3), (1, 2, 3), (2, 2, 3), (3, 2, 3), (2, 3, 2), (2, 4, 5)])
+def test_a_skipped_update_is_counted_apart_where_the_engine_skipped_it(tmp_path, monkeypatch, stage, g, nan_at):
+    result, rows = skipping_run(tmp_path, monkeypatch, stage, g, nan_at, samples=2 * g)
+    assert result.error is None
+    truth = skips_in(rows)
+    report = result.callback.report
+    assert [(s.epoch, s.micro_batch, s.engine_steps, s.by_design) for s in report.skipped_updates] == [
+        (*where, False) for where in truth]
+    if not deepspeed_skips(stage):  # this release applies it: nothing skipped, nothing said of a skip
+        assert truth == [] and report.engine_skipped == 0 and not math.isfinite(rows[-1][5])
+        return
+    assert truth == [(1, g * math.ceil(nan_at / g), math.ceil(nan_at / g))]  # the window of the non-finite loss
+    engine = result.engine
+    assert (report.engine_steps, report.engine_skipped, report.applied_steps) == (
+        engine.global_steps, engine.skipped_steps, engine.global_steps - engine.skipped_steps) == (2, 1, 1)
+    skipped_at = truth[0][1] - 1
+    if stage != 3:  # ZeRO-3 partitions the weights outside its steps; the engine's own counter is the truth there
+        assert rows[skipped_at][5] == rows[skipped_at - 1][5]  # the weights did not move at that update
+    assert rows[skipped_at][4] == rows[skipped_at - 1][4]  # nor did the LR schedule
+    assert not report.schedule_finished and report.missed_updates == 1
+    assert "made 2 (1 skipped, 1 applied)" in str(report)
+    assert sum("the engine skipped update" in note for note in report.notes) == 1
+    logged = [log for log in result.trainer.state.log_history if "stepsync/updates_skipped" in log]
+    assert logged and all(log["stepsync/updates_skipped"] == 1 for log in logged)
+
+
+def test_raise_stops_at_the_skipped_update_before_another_is_made(tmp_path, monkeypatch):
+    from stepsync import UpdateSkippedError
+
+    result, rows = skipping_run(tmp_path, monkeypatch, 0, 2, 1, policy="raise", samples=6)
+    assert isinstance(result.error, UpdateSkippedError)
+    assert result.error.skip.engine_steps == 1 and "policy 'raise' stops" in str(result.error)
+    # It stopped in the hook of the micro-batch that closed the skipped window: no update after it.
+    assert (result.engine.global_steps, result.engine.skipped_steps, len(rows)) == (1, 1, 1)
+
+
+def test_without_a_skip_nothing_is_said_and_no_metric_is_added(tmp_path, monkeypatch):
+    result, rows = skipping_run(tmp_path, monkeypatch, 2, 2, nan_at=10 ** 6)
+    report = result.callback.report
+    assert result.error is None and rows[-1][3] == 0
+    assert report.skipped_updates == [] and report.engine_skipped == 0 and report.schedule_finished
+    assert not any("stepsync/updates_skipped" in log for log in result.trainer.state.log_history)
+
+
+@pytest.mark.parametrize("policy", ["warn", "raise"])
+def test_the_clip_norm_in_force_against_max_grad_norm(tmp_path, policy):
+    from stepsync.tools.tiny_run import deepspeed_config
+
+    config = {k: v for k, v in deepspeed_config(0).items() if k != "gradient_clipping"}
+    result = run(tmp_path, 4, 2, 1, policy=policy, deepspeed=config, max_grad_norm=0.5)
+    in_force = result.engine.gradient_clipping()  # DeepSpeed's own default where the config has none
+    said = [n for n in result.callback.report.notes if "asks to clip gradients at 0.5" in n]
+    if policy == "raise":
+        assert "policy 'raise' stops before the first micro-batch" in str(result.error)
+        assert result.recording.engine_steps == []
+        return
+    assert result.error is None and len(said) == 1 and '"gradient_clipping": "auto"' in said[0]
+    assert (f"clips at {in_force:g}" if in_force else "does not clip at all") in said[0]
+
+
+@pytest.mark.parametrize("policy", ["warn", "sync"])
+def test_an_accelerate_loop_sees_the_skip_through_the_same_run(policy):
+    from harness.loops import run_loop
+
+    result = run_loop(4, 2, 1, policy, bf16=True, nan_at=3)  # the loop's second window holds the non-finite loss
+    assert result.error is None
+    engine, report = result.engine, result.watch.report
+    assert (engine.global_steps, engine.skipped_steps) == (2, 1)  # DeepSpeed's own counters: the truth
+    assert [(s.epoch, s.micro_batch, s.engine_steps) for s in report.skipped_updates] == [(1, 4, 2)]
+    assert report.applied_steps == 1 and "applied: 1 of the engine's 2 updates (1 skipped)" in str(report)
