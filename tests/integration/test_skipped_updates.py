@@ -12,6 +12,7 @@ from importlib.metadata import version
 import pytest
 from packaging.version import Version
 
+from harness.nonfinite import bf16_config, nan_trainer
 from harness.runs import run
 from harness.stack import needs_stack
 
@@ -22,21 +23,6 @@ def deepspeed_skips(stage):
     """Whether this DeepSpeed skips a bf16 update whose gradients are not finite, as probed: 0.19.3 and later on
     every ZeRO stage; before, ZeRO-0 only (0.18.4: ZeRO 1, 2 and 3 apply it, and every weight turns NaN)."""
     return Version(version("deepspeed")) >= Version("0.19.3") or stage == 0
-
-
-def nan_trainer(at):
-    """A Trainer whose ``at``-th loss (1-based, over the run) is not finite."""
-    from transformers import Trainer
-
-    class NaNAt(Trainer):
-        losses = 0
-
-        def compute_loss(self, model, inputs, *args, **kwargs):
-            loss = super().compute_loss(model, inputs, *args, **kwargs)
-            NaNAt.losses += 1
-            return loss * float("nan") if NaNAt.losses == at else loss
-
-    return NaNAt
 
 
 def truth_recorder(trainer_ref, rows):
@@ -66,10 +52,7 @@ def truth_recorder(trainer_ref, rows):
 
 
 def skipping_run(tmp_path, monkeypatch, stage, g, nan_at, policy="warn", samples=6, epochs=1):
-    from stepsync.tools import tiny_run as testing
-
-    plain = testing.deepspeed_config
-    monkeypatch.setattr(testing, "deepspeed_config", lambda stage=0: dict(plain(stage), bf16={"enabled": "auto"}))
+    bf16_config(monkeypatch)
     rows, trainer_ref = [], []
     result = run(tmp_path, samples, g, epochs, stage=stage, policy=policy, bf16=True, trainer_class=nan_trainer(nan_at),
                  extra_callbacks=[truth_recorder(trainer_ref, rows)], on_trainer=trainer_ref.append)
