@@ -27,7 +27,7 @@ from ..core.versions import EngineBoundary, PlannedSteps, Stack, TrainerRule, be
 from ..display.output import ConsoleOutput
 from ..engine.deepspeed import is_engine
 from ..engine.faults import Adapter, guarded
-from ..engine.lifecycle import RunStart, close_run, idle_report, open_run
+from ..engine.lifecycle import RunStart, close_run, idle_report, open_run, say_the_clip
 from ..engine.loop_objects import InstancePatches, length_of
 from ..engine.policies import loop_action_for
 from ..engine.run import Run
@@ -69,6 +69,7 @@ class LoopWatch(Adapter):
         self._inside_accumulate = 0
         self._epoch_open = False
         self._said_outside = False
+        self._said_clip = False
         self._counts_update = False
         self._patches = InstancePatches()
         self.loop_steps = 0
@@ -116,7 +117,7 @@ class LoopWatch(Adapter):
 
     def _wrap(self) -> None:
         accelerator = self.accelerator
-        backward, accumulate = accelerator.backward, accelerator.accumulate
+        backward, accumulate, clip = accelerator.backward, accelerator.accumulate, accelerator.clip_grad_norm_
 
         @functools.wraps(backward)
         def watched_backward(loss, **kwargs):
@@ -134,8 +135,15 @@ class LoopWatch(Adapter):
             finally:
                 self._inside_accumulate -= 1
 
+        @functools.wraps(clip)
+        def watched_clip(parameters, max_norm, *args, **kwargs):
+            if not self._said_clip:
+                self._check_the_clip(max_norm)
+            return clip(parameters, max_norm, *args, **kwargs)
+
         self._patches.set(accelerator, "backward", watched_backward)
         self._patches.set(accelerator, "accumulate", watched_accumulate)
+        self._patches.set(accelerator, "clip_grad_norm_", watched_clip)
 
     # ------------------------------------------------------------ every micro-batch
 
@@ -163,6 +171,14 @@ class LoopWatch(Adapter):
         if getattr(self.accelerator.gradient_state, "end_of_dataloader", False):
             run.end_epoch(self.loop_steps)
             self._epoch_open = False
+
+    @guarded(steering=False)
+    def _check_the_clip(self, run: Run, max_norm: Any) -> None:
+        self._said_clip = True
+        if isinstance(max_norm, (int, float)):
+            say_the_clip(run, float(max_norm), "accelerate ignores clip_grad_norm_'s max_norm under DeepSpeed: set "
+                                               f"\"gradient_clipping\": {max_norm:g} in the DeepSpeed config",
+                         "at your loop's first clip_grad_norm_")
 
     def _log_metrics(self, engine_steps: int, skipped: int) -> None:
         loop, engine, drift = ACCELERATE_LOOP.metric_keys

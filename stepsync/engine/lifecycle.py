@@ -108,7 +108,8 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None) -> 
     if start.record_problem:
         run.error(f"{start.record_problem}; the report covers this run only")
     _say_the_shift(run, start.shift)
-    _say_the_clip(run, start.asked_clip)
+    say_the_clip(run, start.asked_clip, "set \"gradient_clipping\": \"auto\" in the DeepSpeed config",
+                 "before the first micro-batch")
     report.trainer_steps, report.engine_steps = start.trainer_steps, start.engine.global_steps
     report.engine_skipped = run.skipped_seen
     report.inherited_drift = report.drift
@@ -141,17 +142,18 @@ def _say_the_shift(run: Run, shift: Optional[ResumeShift]) -> None:
         run.warn(shift.message())
 
 
-def _say_the_clip(run: Run, asked: Optional[float]) -> None:
-    """The clip norm in force against the one asked: a warning naming the fix, or refused under raise."""
+def say_the_clip(run: Run, asked: Optional[float], fix: str, where: str) -> None:
+    """The clip norm in force against the one asked: a warning naming ``fix``, or, under raise, a stop ``where``
+    it is found."""
     applied = run.facts.gradient_clipping
     if asked is None or applied is None or abs(applied - asked) <= 1e-12:
         return
     text = (f"{run.report.framework.name} asks to clip gradients at {asked:g} but the DeepSpeed engine "
             + (f"clips at {applied:g}" if applied else "does not clip at all")
-            + " (the DeepSpeed config's gradient_clipping, or this DeepSpeed release's default where the config "
-              "has none, wins); set \"gradient_clipping\": \"auto\" in the DeepSpeed config")
+            + f" (the DeepSpeed config's gradient_clipping, or this DeepSpeed release's default where the config "
+              f"has none, wins); {fix}")
     if run.report.policy is Policy.RAISE:
-        raise StepSyncConfigError(f"{text}; policy 'raise' stops before the first micro-batch")
+        raise StepSyncConfigError(f"{text}; policy 'raise' stops {where}")
     run.warn(text)
 
 

@@ -46,13 +46,14 @@ def loop_deepspeed_config(gas: int, stage: int = 0, bf16: bool = False) -> dict:
 def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn", stage: int = 0,
              outside_accumulate: bool = False, seed: int = 0, trackers=(),
              before_micro_batch: Optional[Callable[[int], None]] = None, bf16: bool = False,
-             nan_at: Optional[int] = None) -> LoopRun:
+             nan_at: Optional[int] = None, max_norm: Optional[float] = None) -> LoopRun:
     """Train the tiny model with a loop shaped like transformers' run_clm_no_trainer.py on accelerate + DeepSpeed.
 
     ``policy=None`` runs without stepsync; ``outside_accumulate`` calls ``accelerator.backward`` outside
     ``accelerator.accumulate()`` (the pattern stepsync warns about); ``before_micro_batch`` is called with the
     1-based index of each micro-batch (across epochs) before it runs; ``bf16`` trains in bf16, and ``nan_at`` makes
-    that micro-batch's loss not finite.
+    that micro-batch's loss not finite; ``max_norm`` clips as the examples do
+    (``accelerator.clip_grad_norm_`` where ``sync_gradients``).
     """
     cpu_distributed_env()
     import torch
@@ -96,6 +97,8 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
                 else:
                     with accelerator.accumulate(model):
                         accelerator.backward(model(**batch).loss * scale)
+                        if max_norm is not None and accelerator.sync_gradients:
+                            accelerator.clip_grad_norm_(model.parameters(), max_norm)
                         optimizer.step(), scheduler.step(), optimizer.zero_grad()
                 if accelerator.sync_gradients:  # the loop's own count of updates, as in the examples
                     completed += 1

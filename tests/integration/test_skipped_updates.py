@@ -139,3 +139,22 @@ def test_an_accelerate_loop_sees_the_skip_through_the_same_run(policy):
     assert (engine.global_steps, engine.skipped_steps) == (2, 1)  # DeepSpeed's own counters: the truth
     assert [(s.epoch, s.micro_batch, s.engine_steps) for s in report.skipped_updates] == [(1, 4, 2)]
     assert report.applied_steps == 1 and "applied: 1 of the engine's 2 updates (1 skipped)" in str(report)
+
+
+@pytest.mark.parametrize("policy", ["warn", "raise"])
+def test_a_loops_max_norm_that_deepspeed_ignores_is_named_at_its_first_clip(policy):
+    from stepsync.core.errors import StepSyncConfigError
+
+    from harness.loops import run_loop
+
+    result = run_loop(4, 2, 1, policy, max_norm=0.5)  # the config has no gradient_clipping
+    in_force = result.engine.gradient_clipping()  # DeepSpeed's own default
+    if policy == "raise":
+        assert isinstance(result.error, StepSyncConfigError) and "max_norm under DeepSpeed" in str(result.error)
+        assert len(result.loop_steps) == 1  # stopped at the first clip, in the first window
+        return
+    said = [n for n in result.watch.report.notes if "asks to clip gradients at 0.5" in n]
+    assert result.error is None and len(said) == 1 and '"gradient_clipping": 0.5 in the DeepSpeed config' in said[0]
+    assert (f"clips at {in_force:g}" if in_force else "does not clip at all") in said[0]
+    quiet = run_loop(4, 2, 1, "warn", max_norm=in_force or 0.0)  # asked what is in force: nothing to say
+    assert not any("clip" in note for note in quiet.watch.report.notes)
