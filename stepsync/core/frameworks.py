@@ -45,6 +45,9 @@ class Framework:
         refused: the policies it cannot have, each with why and what to use instead (:class:`Refusal`).
         remedy: what a user of it does about a drift; None where that depends on the installed releases (the
             Trainer's and accelerate's, :attr:`stepsync.core.versions.StackBehaviour.remedy`).
+        schedules_on_its_count: it steps the LR scheduler itself on its own count (Lightning takes DeepSpeed's
+            scheduler over), so the LR moves at an update the engine skipped; elsewhere DeepSpeed steps it at the
+            updates it applies.
     """
 
     name: str
@@ -54,6 +57,7 @@ class Framework:
     metric_keys: Tuple[str, ...] = ()
     refused: Dict[Policy, Refusal] = field(default_factory=dict, compare=False)
     remedy: Optional[str] = None
+    schedules_on_its_count: bool = False
 
     def parse_policy(self, policy: Union[str, Policy], as_flag: bool = False) -> Policy:
         """``policy`` as a :class:`Policy`; an unknown one, or one this framework refuses, raises
@@ -74,7 +78,7 @@ LIGHTNING = Framework(
     metric_keys=("stepsync/lightning_steps", "stepsync/engine_steps", "stepsync/drift"),
     refused={Policy.REALIGN: Refusal("cannot apply to Lightning: its global_step is derived from its loop's progress "
                                      "counters, which a callback cannot set", (Policy.SYNC, Policy.DROP_LAST))},
-    remedy="use stepsync.lightning.StepSyncCallback(policy='sync')")
+    remedy="use stepsync.lightning.StepSyncCallback(policy='sync')", schedules_on_its_count=True)
 
 ACCELERATE_LOOP = Framework(
     name="your loop", who="your loop", counter="loop updates", whose_g="the accelerator's",

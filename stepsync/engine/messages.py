@@ -63,9 +63,13 @@ class Messages:
             self.note(f"the engine skipped {skip}: fp16's dynamic loss scale skips updates while it searches for a "
                       "scale; engine.global_steps counts them, and the report counts them apart")
             return
-        self.warn(f"the engine skipped {skip}. engine.global_steps counts it all the same, and the LR schedule "
-                  "does not move for it; find the micro-batch whose loss is not finite in that window (policy "
-                  "'raise' stops at the first such update); later skips are counted in the report")
+        framework = self.report.framework
+        schedule = (f"{framework.name} steps the LR scheduler on its own count, so the LR moved for it all the same "
+                    "(stepsync cannot take a scheduler's step back)" if framework.schedules_on_its_count else
+                    "the LR schedule does not move for it")
+        self.warn(f"the engine skipped {skip}. engine.global_steps counts it all the same, and {schedule}; find the "
+                  "micro-batch whose loss is not finite in that window (policy 'raise' stops at the first such "
+                  "update); later skips are counted in the report")
 
     def announce(self, predicted: Forecast) -> None:
         """The forecast at the start: its verdict, its table, and an early end said as a warning."""

@@ -175,3 +175,28 @@ def torch_equal(a, b):
     import torch
 
     return torch.equal(a, b)
+
+
+@pytest.mark.skipif(Version(version("deepspeed")) < Version("0.19.3"), reason="this DeepSpeed applies a non-finite "
+                                                                              "bf16 update on ZeRO-2 instead of skipping it")
+def test_a_skipped_update_and_the_lr_lightning_moved_for_it(monkeypatch):
+    import torch
+
+    import stepsync.tools.tiny_lightning as tiny
+
+    def loader(samples):  # the third micro-batch's row is not finite: its gradient neither
+        rows = torch.eye(samples)
+        rows[2] *= float("nan")
+        return torch.utils.data.DataLoader(rows, batch_size=1)
+
+    monkeypatch.setattr(tiny, "one_hot_loader", loader)
+    result, report = fit(4, 2, 1, 2, precision="bf16-mixed")
+    assert result.error is None
+    engine = result.engine
+    assert (engine.global_steps, engine.skipped_steps) == (2, 1)  # DeepSpeed's own counters: the truth
+    assert [(s.epoch, s.micro_batch, s.engine_steps) for s in report.skipped_updates] == [(1, 4, 2)]
+    # Lightning stepped its scheduler at the skipped update all the same (the recorder's last column), as said.
+    assert [batch[5] for batch in result.recording.batches] == [0, 1, 1, 2]
+    assert any("Lightning steps the LR scheduler on its own count" in note for note in report.notes)
+    assert any("stepped the LR scheduler 2 times for its 2 updates, of which the engine applied 1" in note
+               for note in report.notes)
