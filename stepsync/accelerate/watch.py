@@ -22,13 +22,12 @@ from ..core.errors import StepSyncConfigError, UnsupportedVersion
 from ..core.events import Cause
 from ..core.frameworks import ACCELERATE_LOOP, SKIPPED_METRIC
 from ..core.plan import RunPlan
-from ..core.report import SyncReport
 from ..core.versions import EngineBoundary, PlannedSteps, Stack, TrainerRule, behaviour_of
 from ..display.output import ConsoleOutput
 from ..engine.deepspeed import is_engine
-from ..engine.faults import Adapter, guarded
+from ..engine.faults import guarded
 from ..engine.lifecycle import RunStart, close_run, idle_report, open_run, say_the_clip
-from ..engine.loop_objects import InstancePatches, length_of
+from ..engine.loop_objects import InstancePatches, LoopAdapter, length_of
 from ..engine.policies import loop_action_for
 from ..engine.run import Run
 
@@ -46,7 +45,7 @@ def find_engine(accelerator: Any) -> Any:
     return getattr(getattr(accelerator, "deepspeed_engine_wrapped", None), "engine", None)
 
 
-class LoopWatch(Adapter):
+class LoopWatch(LoopAdapter):
     """Watches one custom accelerate loop; made by :func:`watch`. Use it as a context manager, or call
     :meth:`close` after the loop: that gives ``backward`` and the engine's boundary back and ends the report.
 
@@ -187,23 +186,9 @@ class LoopWatch(Adapter):
 
     # ------------------------------------------------------------ end
 
-    def close(self) -> SyncReport:
-        """Give ``backward``, ``accumulate`` and the engine's boundary back; the report is final. Closing twice
-        changes nothing."""
-        self._patches.restore()
-        if not self.report.finished:
-            self._close()
-        return self.report
-
     @guarded(steering=True, needs_run=False)
     def _close(self) -> None:
         close_run(self.report, self._run, self.loop_steps)
-
-    def __enter__(self) -> LoopWatch:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def watch(accelerator: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any = None,

@@ -2,7 +2,12 @@
 on one instance (a loop's ``backward``, an optimizer's ``step``) that must be given back as they were."""
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple, TypeVar
+
+from ..core.report import SyncReport
+from .faults import Adapter
+
+Watch = TypeVar("Watch", bound="LoopAdapter")
 
 
 def length_of(loader: Any) -> Optional[int]:
@@ -33,3 +38,27 @@ class InstancePatches:
             else:
                 setattr(owner, name, original)
         self._saved = []
+
+
+class LoopAdapter(Adapter):
+    """What both loop watches share: the loop's methods they wrap, all given back at :meth:`close`, which ends the
+    run once; a context manager that closes on exit."""
+
+    _patches: InstancePatches
+
+    def close(self) -> SyncReport:
+        """Give the wrapped methods and the engine's boundary back; the report is final. Closing twice changes
+        nothing."""
+        self._patches.restore()
+        if not self.report.finished:
+            self._close()
+        return self.report
+
+    def _close(self) -> None:
+        """End the run (the adapter's last micro-batch, epoch and report)."""
+
+    def __enter__(self: Watch) -> Watch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -26,11 +26,10 @@ from ..core.errors import StepSyncConfigError, UnsupportedVersion
 from ..core.events import Cause
 from ..core.frameworks import FABRIC_LOOP
 from ..core.lightning_versions import FabricZero12, LightningStack, fabric_zero12, lightning_behaviour_of
-from ..core.report import SyncReport
 from ..display.output import ConsoleOutput
-from ..engine.faults import Adapter, guarded
+from ..engine.faults import guarded
 from ..engine.lifecycle import RunStart, close_run, idle_report, open_run
-from ..engine.loop_objects import InstancePatches, length_of
+from ..engine.loop_objects import InstancePatches, LoopAdapter, length_of
 from ..engine.policies import loop_action_for
 from ..engine.run import Run
 from . import lightning as lightning_facts
@@ -47,7 +46,7 @@ FAILS = ("with gradient_accumulation_steps={gas} in the DeepSpeed config, ZeRO-{
          "gradient_accumulation_steps to 1 in the config and accumulate in your loop (use policy='sync')")
 
 
-class FabricWatch(Adapter):
+class FabricWatch(LoopAdapter):
     """Watches one Fabric loop on DeepSpeed; made by :func:`watch`. A context manager, or call :meth:`close`.
 
     A failure inside stepsync never reaches your loop (it is logged once, and a failure of its steering gives
@@ -148,14 +147,6 @@ class FabricWatch(Adapter):
         if self.loop_steps == 1 and run.engine.global_steps == 0:
             run.warn(NEVER_STEPPED.format(engine=0, loop=1))
 
-    def close(self) -> SyncReport:
-        """Give ``backward``, ``no_backward_sync``, ``step`` and the engine's boundary back; the report is final.
-        Closing twice changes nothing."""
-        self._patches.restore()
-        if not self.report.finished:
-            self._close()
-        return self.report
-
     @guarded(steering=True, needs_run=False)
     def _close(self) -> None:
         run = self._run
@@ -165,12 +156,6 @@ class FabricWatch(Adapter):
             if run.n is not None and run.position >= run.n:
                 run.end_epoch(self.loop_steps)
         close_run(self.report, run, self.loop_steps)
-
-    def __enter__(self) -> FabricWatch:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def watch(fabric: Any, model: Any, optimizer: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any = None,

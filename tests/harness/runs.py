@@ -172,3 +172,28 @@ def final_parameters(result: RunResult):
     return torch.cat([p.detach().float().flatten() for p in result.model.parameters()])
 
 
+
+
+def two_ranks(script: str, out, *args: str, what: str = "two-process run") -> list:
+    """Run ``script OUT *args`` under ``torchrun --nproc_per_node 2`` on 127.0.0.1; each rank's JSON
+    (``OUT/rank-R.json``). A rank left waiting in a collective fails the test instead of hanging CI."""
+    import socket
+    import subprocess
+    import sys
+
+    import pytest
+
+    env = child_env(dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1"))
+    with socket.socket() as sock:  # torchrun's --master_port 0 hangs the ranks: pick a free port
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    try:
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                               "--master_port", port, script, str(out), *args],
+                              env=env, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{what} hung: {exc}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.load(open(os.path.join(str(out), f"rank-{rank}.json"))) for rank in (0, 1)]
+    ranks.append(proc.stdout + proc.stderr)
+    return ranks

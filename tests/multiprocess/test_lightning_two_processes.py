@@ -1,35 +1,19 @@
 """Lightning + DeepSpeed on two ranks (torchrun, gloo): every rank decides the same at the same batch; raise stops
 both; sync keeps both counts and the scheduler equal on both, at 1/G per micro-batch. A rank left waiting fails
 the test instead of hanging CI."""
-import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("lightning")
 
-from harness.runs import child_env  # noqa: E402
+from harness.runs import two_ranks  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("lightning-ranks")
-    env = child_env(dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1"))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
     script = os.path.join(os.path.dirname(__file__), "lightning_ranks.py")
-    try:
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                               "--master_port", port, script, str(out)], env=env, capture_output=True, text=True,
-                              timeout=600)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"two-process Lightning run hung: {exc}")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.load(open(out / f"rank-{r}.json")) for r in (0, 1)]
+    return two_ranks(script, tmp_path_factory.mktemp("lightning-ranks"), what="two-process Lightning run")[:2]
 
 
 def test_every_rank_sees_and_decides_the_same(ranks):

@@ -6,11 +6,7 @@ it). So two ranks are proven on t446 (accelerate 1.1.1, DeepSpeed 0.15.4: it dri
 1.8.0: aligned). accelerate 1.16 on a CPU-only machine counts one process under torchrun unless told cpu=True,
 which drops DeepSpeed: the aligned stack cannot show two ranks here.
 """
-import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 
@@ -22,21 +18,10 @@ TWO_RANK_LOOPS = {"t446": (4, 3), "t457f": (4, 4)}  # loop / engine updates: 6 m
 
 
 def torchrun(tmp_path, *policies):
-    from harness.runs import child_env
+    from harness.runs import two_ranks
 
-    env = child_env(dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1"))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
     script = os.path.join(os.path.dirname(__file__), "twoproc_loops.py")
-    try:  # a rank left waiting in a collective fails the test instead of hanging CI
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                               "--master_port", port, script, str(tmp_path), *policies],
-                              env=env, capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"two-process loop hung: {exc}")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.load(open(tmp_path / f"rank-{rank}.json")) for rank in (0, 1)]
+    return two_ranks(script, tmp_path, *policies, what="two-process loop")[:2]
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,6 @@
 """Two ranks with torchrun, bf16, a non-finite loss on one rank only: DeepSpeed skips the update on both, and
 every rank reports the same skip and stops at the same update under raise."""
-import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 from packaging.version import Version
@@ -20,22 +16,10 @@ def ranks(tmp_path_factory):
 
     if Version(version("deepspeed")) < Version("0.19.3"):
         pytest.skip("this DeepSpeed does not check bf16 gradients for overflow on ZeRO 1-3")
-    from harness.runs import child_env
+    from harness.runs import two_ranks
 
-    out = tmp_path_factory.mktemp("skips")
-    env = child_env(dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1"))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
     script = os.path.join(os.path.dirname(__file__), "skip_ranks.py")
-    try:  # a rank left waiting in a collective fails the test instead of hanging CI
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                               "--master_port", port, script, str(out)],
-                              env=env, capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"two-process run hung: {exc}")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.load(open(out / f"rank-{r}.json")) for r in (0, 1)]
+    return two_ranks(script, tmp_path_factory.mktemp("skips"))[:2]
 
 
 @pytest.mark.parametrize("case", ["warn-0", "warn-2"])

@@ -1,9 +1,5 @@
 """Two ranks with torchrun: same decisions on every rank at the same step, output once, no hang."""
-import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 
@@ -16,23 +12,11 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ranks")
-    from harness.runs import child_env
+    from harness.runs import two_ranks
 
-    env = child_env(dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1"))
-    with socket.socket() as sock:  # torchrun's --master_port 0 hangs the ranks: pick a free port
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
     script = os.path.join(os.path.dirname(__file__), "twoproc_runs.py")
-    try:  # a rank left waiting in a collective fails the test instead of hanging CI
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                               "--master_port", port, script, str(out)],
-                              env=env, capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"two-process run hung: {exc}")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ranks = [json.load(open(out / f"rank-{r}.json")) for r in (0, 1)]
-    return ranks, proc.stdout + proc.stderr
+    *ranks, output = two_ranks(script, tmp_path_factory.mktemp("ranks"))
+    return ranks, output
 
 
 def test_every_rank_sees_and_decides_the_same(two_ranks):
