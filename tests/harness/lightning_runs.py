@@ -102,10 +102,12 @@ class FabricRun:
 
 def run_fabric(samples: int, gas: int, epochs: int = 2, stage: int = 0, policy: Optional[str] = "warn",
                config_gas: int = 1, deepspeed: bool = True,
-               before_micro_batch: Optional[Callable[[int], None]] = None) -> FabricRun:
+               before_micro_batch: Optional[Callable[[int], None]] = None, precision: Optional[str] = None,
+               data: Any = None) -> FabricRun:
     """Fabric's documented accumulation loop (no_backward_sync around each backward, optimizer.step() every
     ``gas`` micro-batches of an epoch, the loss divided by ``gas``) on the one-hot linear model;
-    ``before_micro_batch`` is called with the 1-based index of each micro-batch (across epochs) before it runs."""
+    ``before_micro_batch`` is called with the 1-based index of each micro-batch (across epochs) before it runs;
+    ``precision`` is Fabric's, and ``data`` replaces the one-hot rows."""
     cpu_distributed_env()
     import lightning as L
     import torch
@@ -116,7 +118,7 @@ def run_fabric(samples: int, gas: int, epochs: int = 2, stage: int = 0, policy: 
     lift_the_cuda_check()
     config = {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": 1,
               "gradient_accumulation_steps": config_gas, "zero_allow_untested_optimizer": True}
-    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=DeepSpeedStrategy(
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision=precision, strategy=DeepSpeedStrategy(
         config=config, parallel_devices=[torch.device("cpu", 0)], process_group_backend="gloo") if deepspeed else "auto")
     fabric.launch()
 
@@ -132,7 +134,7 @@ def run_fabric(samples: int, gas: int, epochs: int = 2, stage: int = 0, policy: 
     module = Linear()
     model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1.0))
     record.engine = model._forward_module if deepspeed else None
-    data = one_hot_loader(samples)
+    data = one_hot_loader(samples) if data is None else data
     try:
         record.watch = stepsync.lightning.watch(fabric, model, optimizer, policy, dataloader=data, console=False) \
             if policy else None

@@ -122,3 +122,17 @@ def test_under_raise_an_internal_failure_stops_the_fabric_loop(monkeypatch, capl
     run = faulty_fabric(monkeypatch, caplog, "raise", {"global_steps": "raise"}, breaks_at=2)  # before the drift
     assert isinstance(run.error, RuntimeError) and "injected failure" in str(run.error) and len(run.batches) == 1
     assert run.watch.report.finished  # close() in the loop's finally raised nothing more
+
+
+@pytest.mark.skipif(Version(DEEPSPEED) < Version("0.19.3"), reason="this DeepSpeed applies a non-finite bf16 update")
+def test_sync_reports_the_update_the_engine_skipped():
+    import torch
+
+    rows = torch.eye(4)
+    rows[2] *= float("nan")  # the third micro-batch: its gradient is not finite
+    run = run_fabric(4, 2, 1, 2, "sync", precision="bf16-mixed", data=torch.utils.data.DataLoader(rows, batch_size=1))
+    assert run.error is None
+    assert (run.engine.global_steps, run.engine.skipped_steps) == (2, 1)  # DeepSpeed's own counters: the truth
+    report = run.watch.report
+    assert [(s.epoch, s.micro_batch, s.engine_steps) for s in report.skipped_updates] == [(1, 4, 2)]
+    assert len(run.updates) == 1  # the weights moved at the first update only
