@@ -118,8 +118,10 @@ def run_fabric(samples: int, gas: int, epochs: int = 2, stage: int = 0, policy: 
     lift_the_cuda_check()
     config = {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": 1,
               "gradient_accumulation_steps": config_gas, "zero_allow_untested_optimizer": True}
-    fabric = L.Fabric(accelerator="cpu", devices=1, precision=precision, strategy=DeepSpeedStrategy(
-        config=config, parallel_devices=[torch.device("cpu", 0)], process_group_backend="gloo") if deepspeed else "auto")
+    strategy = DeepSpeedStrategy(config=config, parallel_devices=[torch.device("cpu", 0)],
+                                 process_group_backend="gloo") if deepspeed else "auto"
+    # lightning 2.0 refuses precision=None: pass it only when asked
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy, **({"precision": precision} if precision else {}))
     fabric.launch()
 
     class Linear(torch.nn.Module):
