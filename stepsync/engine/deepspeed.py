@@ -67,8 +67,8 @@ def _asked(engine: Any, name: str) -> Any:
 def engine_facts(engine: Any) -> EngineFacts:
     gas = getattr(engine, "gradient_accumulation_steps", None)
     gas = gas() if callable(gas) else gas
-    managed = getattr(engine, "managed_gradient_accumulation", None)
-    managed = bool(managed()) if callable(managed) else True
+    managed = _asked(engine, "managed_gradient_accumulation")
+    managed = True if managed is None else bool(managed)
     why_not = ""
     if not callable(getattr(engine, "set_gradient_accumulation_boundary", None)):
         why_not = "this engine has no set_gradient_accumulation_boundary (DeepSpeed < 0.5.8?)"

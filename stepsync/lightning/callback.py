@@ -170,10 +170,10 @@ class StepSyncCallback(Callback, Adapter):
         run = self._run
         self._undo_steering()
         steps = lightning_facts.scheduler_steps(trainer)
-        if run is not None and run.observing and steps is not None and steps != trainer.global_step - run.skipped_seen:
+        applied = None if run is None else trainer.global_step - run.skipped_seen
+        if run is not None and run.observing and steps is not None and steps != applied:
             run.note(f"Lightning stepped the LR scheduler {steps} times for its {trainer.global_step} updates"
-                     + (f", of which the engine applied {trainer.global_step - run.skipped_seen}" if run.skipped_seen
-                        else ""))
+                     + (f", of which the engine applied {applied}" if run.skipped_seen else ""))
         close_run(self.report, run, trainer.global_step)
 
     # ----------------------------------------------------------------- logic
