@@ -15,12 +15,13 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from typing import Any, Optional, Union
+import os
+from typing import Any, Optional, Tuple, Union
 
 from ..core.choices import Policy
 from ..core.errors import StepSyncConfigError, UnsupportedVersion
 from ..core.events import Cause
-from ..core.frameworks import ACCELERATE_LOOP, SKIPPED_METRIC
+from ..core.frameworks import ACCELERATE_LOOP
 from ..core.plan import RunPlan
 from ..core.versions import EngineBoundary, PlannedSteps, Stack, TrainerRule, behaviour_of
 from ..display.output import ConsoleOutput
@@ -59,7 +60,7 @@ class LoopWatch(LoopAdapter):
     """
 
     def __init__(self, accelerator: Any, policy: Policy, dataloader: Any, num_epochs: Optional[float],
-                 console: Any) -> None:
+                 console: Any, asked_g: Optional[int] = None) -> None:
         self.accelerator = accelerator
         self.policy = policy
         self.output = ConsoleOutput(console)
@@ -72,7 +73,7 @@ class LoopWatch(LoopAdapter):
         self._counts_update = False
         self._patches = InstancePatches()
         self.loop_steps = 0
-        self._start(dataloader, num_epochs)
+        self._start(dataloader, num_epochs, asked_g)
 
     @property
     def run(self) -> Optional[Run]:
@@ -81,7 +82,7 @@ class LoopWatch(LoopAdapter):
 
     # ------------------------------------------------------------ setup
 
-    def _start(self, dataloader: Any, num_epochs: Optional[float]) -> None:
+    def _start(self, dataloader: Any, num_epochs: Optional[float], asked_g: Optional[int]) -> None:
         accelerator = self.accelerator
         if "DEEPSPEED" not in str(getattr(accelerator, "distributed_type", "")):
             self.report = idle_report(ACCELERATE_LOOP, self.policy,
@@ -106,7 +107,7 @@ class LoopWatch(LoopAdapter):
         plan = None if n is None or num_epochs is None else RunPlan(n, g, num_epochs, -1, 0, engine.global_steps)
         open_run(RunStart(ACCELERATE_LOOP, self.policy, engine, behaviour, n, g, self.output,
                           is_main=bool(getattr(getattr(accelerator, "state", None), "is_main_process", True)),
-                          plan=plan, action=loop_action_for(self.policy)), self._keep)
+                          plan=plan, action=loop_action_for(self.policy), asked_g=g_asked(asked_g, g)), self._keep)
         if n is None and self._run is not None:
             self._run.note("no dataloader length: pass dataloader=... to stepsync.watch() for a forecast")
         self._wrap()
@@ -166,7 +167,7 @@ class LoopWatch(LoopAdapter):
             self.loop_steps += 1
         run.after_micro_batch(self._counts_update, self.loop_steps)
         if self._counts_update and run.observing and getattr(self.accelerator, "trackers", None):
-            self._observe("accelerator.log", self._log_metrics, run.engine_steps_seen, run.skipped_seen)
+            self._observe("accelerator.log", self._log_metrics, run.engine_steps_seen, run.update_metrics())
         if getattr(self.accelerator.gradient_state, "end_of_dataloader", False):
             run.end_epoch(self.loop_steps)
             self._epoch_open = False
@@ -179,10 +180,10 @@ class LoopWatch(LoopAdapter):
                                                f"\"gradient_clipping\": {max_norm:g} in the DeepSpeed config",
                          "at your loop's first clip_grad_norm_")
 
-    def _log_metrics(self, engine_steps: int, skipped: int) -> None:
+    def _log_metrics(self, engine_steps: int, updates: dict) -> None:
         loop, engine, drift = ACCELERATE_LOOP.metric_keys
         self.accelerator.log({loop: self.loop_steps, engine: engine_steps, drift: self.loop_steps - engine_steps,
-                              **({SKIPPED_METRIC: skipped} if skipped else {})}, step=self.loop_steps)
+                              **updates}, step=self.loop_steps)
 
     # ------------------------------------------------------------ end
 
@@ -191,8 +192,29 @@ class LoopWatch(LoopAdapter):
         close_run(self.report, self._run, self.loop_steps)
 
 
+G_VARIABLE = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
+
+
+def g_asked(in_code: Optional[int], in_force: int) -> Tuple[Tuple[str, int, str], ...]:
+    """Where the user set G, for the run to hold against the G ``in_force``: the code (when told) and accelerate's
+    environment variable. accelerate takes the variable over the code, and the DeepSpeed config over both."""
+    variable = os.environ.get(G_VARIABLE, "")
+    places = []
+    if in_code is not None:
+        variable_won = variable.isdigit() and int(variable) == in_force
+        over = (f"accelerate took {G_VARIABLE}={variable} over it: unset the variable" if variable_won else
+                'accelerate took the DeepSpeed config\'s "gradient_accumulation_steps" over it: set it to "auto"')
+        places.append(("your code", int(in_code), over))
+    if variable.isdigit():
+        places.append((f"the environment's {G_VARIABLE}", int(variable),
+                       'accelerate took the DeepSpeed config\'s "gradient_accumulation_steps" over it: set that to '
+                       '"auto" or unset the variable'))
+    return tuple(places)
+
+
 def watch(accelerator: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any = None,
-          num_epochs: Optional[float] = None, console: Any = None) -> LoopWatch:
+          num_epochs: Optional[float] = None, console: Any = None,
+          gradient_accumulation_steps: Optional[int] = None) -> LoopWatch:
     """Watch a custom accelerate training loop on DeepSpeed; call it after ``accelerator.prepare(...)``.
 
     Args:
@@ -203,8 +225,9 @@ def watch(accelerator: Any, policy: Union[str, Policy] = Policy.WARN, dataloader
         dataloader: the prepared training dataloader, for the forecast (its length).
         num_epochs: the epochs the loop runs, for the forecast.
         console: as for :class:`stepsync.StepSyncCallback`.
-
-    Raises:
+        gradient_accumulation_steps: the G your code gave ``Accelerator(...)``, held against the one in force
+            (accelerate takes ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS`` over it, and the DeepSpeed config's value
+            over both, with one log line); a difference is a warning naming the fix, a stop under ``raise``.
         StepSyncConfigError: (a ``ValueError``) an unknown or refused policy, no DeepSpeed engine yet (call it
             after ``prepare``), or ``sync`` on an engine that cannot be steered.
         ValueError: a bad console.
@@ -220,4 +243,9 @@ def watch(accelerator: Any, policy: Union[str, Policy] = Policy.WARN, dataloader
                         optimizer.step(); lr_scheduler.step(); optimizer.zero_grad()
         print(sync.report)
     """
-    return LoopWatch(accelerator, ACCELERATE_LOOP.parse_policy(policy), dataloader, num_epochs, console)
+    given = gradient_accumulation_steps
+    if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < 1):
+        raise StepSyncConfigError(f"gradient_accumulation_steps={gradient_accumulation_steps!r}: pass the positive "
+                                  "int your code gave Accelerator(gradient_accumulation_steps=...), or leave it out")
+    return LoopWatch(accelerator, ACCELERATE_LOOP.parse_policy(policy), dataloader, num_epochs, console,
+                     gradient_accumulation_steps)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .events import DriftEvent, SkippedUpdate
+    from .events import DriftEvent, NonFiniteUpdate, SkippedUpdate
 
 
 class StepSyncError(Exception):
@@ -28,6 +28,16 @@ class UpdateSkippedError(StepSyncError, RuntimeError):
         self.skip = skip
         super().__init__(f"the DeepSpeed engine skipped {skip}; policy 'raise' stops before another update: find the "
                          "micro-batch whose loss is not finite in that window")
+
+
+class NonFiniteUpdateError(StepSyncError, FloatingPointError):
+    """Raised by policy ``'raise'`` at the first update after which the weights are not finite (an engine that
+    does not check its gradients applied a non-finite one); carries the :class:`NonFiniteUpdate`."""
+
+    def __init__(self, update: NonFiniteUpdate) -> None:
+        self.update = update
+        super().__init__(f"{update}; policy 'raise' stops before another update: find the micro-batch whose loss "
+                         "is not finite")
 
 
 class StepSyncConfigError(StepSyncError, ValueError):

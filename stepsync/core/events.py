@@ -1,9 +1,11 @@
 """What happened to the counts: one :class:`DriftEvent` per change of the drift, one :class:`SkippedUpdate` per
-update the engine counted but did not apply."""
+update the engine counted but did not apply, and the :class:`NonFiniteUpdate` after which the weights were not
+finite."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from enum import Enum
+from typing import Optional
 
 
 class Cause(str, Enum):
@@ -77,16 +79,52 @@ class SkippedUpdate:
         micro_batch: the micro-batch of that epoch at which the engine closed the window.
         engine_steps: the engine's count with this update in it.
         by_design: fp16's dynamic loss scale skipped it while searching for a scale (DeepSpeed's "OVERFLOW!
-            Skipping step"), which it does by design; otherwise (bf16, fp32) a gradient was not finite and the
-            window's data is lost.
+            Skipping step"), which it does by design; otherwise (bf16, fp32, or fp16 at its minimum scale) a
+            gradient was not finite and the window's data is lost.
+        at_minimum_scale: fp16's loss scale was already at its minimum, so the search could go no lower.
+        loss_scale: fp16's loss scale after the skip (None in bf16 and fp32).
     """
 
     epoch: int
     micro_batch: int
     engine_steps: int
     by_design: bool = False
+    at_minimum_scale: bool = False
+    loss_scale: Optional[float] = None
 
     def __str__(self) -> str:
-        why = ("fp16's loss scale was searching (by design)" if self.by_design else
-               "a gradient was not finite; the window's micro-batches trained nothing")
+        if self.by_design:
+            why = "fp16's loss scale was searching (by design)"
+        elif self.at_minimum_scale:
+            why = ("a gradient was not finite at fp16's minimum loss scale, which can go no lower; the window's "
+                   "micro-batches trained nothing")
+        else:
+            why = "a gradient was not finite; the window's micro-batches trained nothing"
         return f"update {self.engine_steps} at epoch {self.epoch}, micro-batch {self.micro_batch}: {why}"
+
+
+@dataclass(frozen=True)
+class NonFiniteUpdate:
+    """An update the engine applied with a gradient that was not finite: the weights are no longer finite, and
+    every later update trains nothing (the engine does not check its gradients in this precision).
+
+    Attributes:
+        epoch: 1-based epoch.
+        micro_batch: the micro-batch of that epoch at which it was found.
+        engine_steps: the engine's count when it was found.
+        each_update: the weights were checked after every update, so ``engine_steps`` is the very update; else
+            they were checked at epoch ends only and the update is at or before it.
+        why: why the engine applied it (what it does not check).
+    """
+
+    epoch: int
+    micro_batch: int
+    engine_steps: int
+    each_update: bool = True
+    why: str = ""
+
+    def __str__(self) -> str:
+        where = (f"update {self.engine_steps}" if self.each_update else
+                 f"an update at or before update {self.engine_steps} (checked at epoch ends)")
+        return (f"{where} at epoch {self.epoch}, micro-batch {self.micro_batch} left weights that are not finite"
+                + (f": {self.why}" if self.why else ""))

@@ -97,3 +97,4 @@ FABRIC_LOOP = Framework(
 
 FRAMEWORKS = (TRAINER, LIGHTNING, ACCELERATE_LOOP, FABRIC_LOOP)
 SKIPPED_METRIC = "stepsync/updates_skipped"  # beside each framework's metrics, once the engine has skipped one
+NON_FINITE_METRIC = "stepsync/non_finite_at_update"  # the update after which the weights were not finite

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional
 
 from .choices import Policy
-from .events import DriftEvent, SkippedUpdate
+from .events import DriftEvent, NonFiniteUpdate, SkippedUpdate
 from .frameworks import TRAINER, Framework
 from .prediction import Forecast
 from .record import ResumeRecord
@@ -83,6 +83,8 @@ class SyncReport:
         engine_skipped: of ``engine_steps``, the updates the engine counted but did not apply (its own
             ``skipped_steps``, kept across resumes); ``applied_steps`` is the rest.
         skipped_updates: each update this run saw the engine skip, where (:class:`SkippedUpdate`).
+        non_finite: where the weights were first found not finite after an update the engine applied
+            (:class:`NonFiniteUpdate`); None while they are finite or where the engine checks its gradients.
     """
 
     policy: Policy
@@ -108,6 +110,7 @@ class SyncReport:
     update_flaws: List[str] = field(default_factory=list)
     engine_skipped: int = 0
     skipped_updates: List[SkippedUpdate] = field(default_factory=list)
+    non_finite: Optional[NonFiniteUpdate] = None
 
     @property
     def counter(self) -> str:
@@ -143,6 +146,8 @@ class SyncReport:
             lines.append(f"applied: {self.applied_steps} of the engine's {self.engine_steps} updates "
                          f"({self.engine_skipped} skipped)")
         lines += [f"skipped {skip}" for skip in self._first_and_last_skips()]
+        if self.non_finite is not None:
+            lines.append(f"not finite: {self.non_finite}; the updates after it trained nothing")
         if self.epochs:
             lines.append(f"trained: {len(self.epochs)} epoch(s), {self.micro_batches} micro-batch(es)")
         if self.resume_shift is not None and not self.resume_shift.exact:
@@ -178,10 +183,13 @@ class SyncReport:
         return self.applied_steps >= self.planned_steps
 
     def made(self) -> str:
-        """The engine's updates in words: ``"4"``, or ``"4 (1 skipped, 3 applied)"``."""
-        if not self.engine_skipped:
-            return str(self.engine_steps)
-        return f"{self.engine_steps} ({self.engine_skipped} skipped, {self.applied_steps} applied)"
+        """The engine's updates in words: ``"4"``, ``"4 (1 skipped, 3 applied)"``, or with where the weights
+        stopped being finite."""
+        parts = [f"{self.engine_skipped} skipped, {self.applied_steps} applied"] if self.engine_skipped else []
+        if self.non_finite is not None:
+            found = self.non_finite
+            parts.append(f"weights not finite {'from' if found.each_update else 'by'} update {found.engine_steps}")
+        return f"{self.engine_steps} ({'; '.join(parts)})" if parts else str(self.engine_steps)
 
     def _first_and_last_skips(self) -> List[SkippedUpdate]:
         skips = self.skipped_updates

@@ -5,8 +5,9 @@ newer releases are handled alike, and a missing piece is reported instead of cra
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 
 def spread_across_ranks(values: Sequence[int], device: Any = "cpu") -> List[Tuple[int, int]]:
@@ -47,6 +48,8 @@ class EngineFacts:
         counts_skips: the engine keeps ``skipped_steps``, the updates it counted but did not apply.
         skips_by_design: fp16 with a dynamic loss scale, which skips updates while it searches for a scale.
         gradient_clipping: the clip norm the engine applies (0: none; None if it does not say).
+        unchecked_gradients: why the engine applies a gradient that is not finite instead of skipping its update
+            (it checks none in this precision), or "" where it checks them.
     """
 
     gradient_accumulation_steps: Optional[int]
@@ -56,6 +59,7 @@ class EngineFacts:
     counts_skips: bool = True
     skips_by_design: bool = False
     gradient_clipping: Optional[float] = None
+    unchecked_gradients: str = ""
 
 
 def _asked(engine: Any, name: str) -> Any:
@@ -79,7 +83,83 @@ def engine_facts(engine: Any) -> EngineFacts:
     return EngineFacts(gas, not why_not, why_not, managed,
                        counts_skips=isinstance(getattr(engine, "skipped_steps", None), int),
                        skips_by_design=searches_a_scale,
-                       gradient_clipping=float(clip) if isinstance(clip, (int, float)) else None)
+                       gradient_clipping=float(clip) if isinstance(clip, (int, float)) else None,
+                       unchecked_gradients=_unchecked_gradients(engine))
+
+
+def _unchecked_gradients(engine: Any) -> str:
+    """Why the engine may apply a non-finite gradient, or "" where it surely checks them first: fp16 always,
+    through its loss scale; bf16 where its ``check_grad_overflow`` is on. Where it says neither, the weights are
+    read (fp32 as probed: DeepSpeed 0.19.8 skips on ZeRO 1-3 but not ZeRO-0, 0.18.4 on no stage)."""
+    if _asked(engine, "fp16_enabled"):
+        return ""
+    if _asked(engine, "bfloat16_enabled"):
+        bf16 = getattr(getattr(engine, "_config", None), "bfloat16_config", None)
+        if getattr(bf16, "check_grad_overflow", False) is True:
+            return ""
+        return ('DeepSpeed applies bf16 gradients unchecked while "bf16": {"check_grad_overflow": true} is off (its '
+                "default before DeepSpeed 0.19.3; the key exists from 0.17.1): turn it on, or upgrade")
+    return ("in fp32 DeepSpeed applies such a gradient on some ZeRO stages and releases (0.19.8 skips it on ZeRO 1-3, "
+            "not ZeRO-0; 0.18.4 on none): a finite loss is up to the model and its data")
+
+
+class LossScale(NamedTuple):
+    """fp16's dynamic loss scale as the engine's scaler keeps it."""
+
+    now: float
+    minimum: float
+    window: int  # clean updates before the scale may grow again
+
+
+def loss_scale(engine: Any) -> Optional[LossScale]:
+    """The engine's fp16 loss scale, or None where its optimizer keeps no dynamic scaler."""
+    scaler: Any = getattr(getattr(engine, "optimizer", None), "loss_scaler", None)
+    try:
+        return LossScale(float(scaler.cur_scale), float(scaler.min_scale), int(scaler.scale_window))
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+# The flat buffers DeepSpeed's optimizers keep every weight in (ZeRO 1-2 and its bf16 optimizer: whole on every
+# rank; ZeRO-3: this rank's partition), the first found is read.
+_FLAT_WEIGHTS = (("bit16_groups_flat", False), ("bf16_groups_flat", False), ("fp16_partitioned_groups_flat", True))
+
+
+class FiniteWeights:
+    """Whether the engine's weights are all finite. A sum is finite only when every element is, so it takes one
+    sum per flat buffer where DeepSpeed keeps the weights in a few (cheap enough for every update), else one per
+    parameter (read at epoch ends only).
+
+    Attributes:
+        each_update: the weights sit in flat buffers: read after every update.
+        partitioned: each rank holds only its part (ZeRO-3): the ranks agree on the answer through one
+            all-reduce.
+    """
+
+    __slots__ = ("tensors", "each_update", "partitioned", "device")
+
+    def __init__(self, engine: Any) -> None:
+        optimizer = getattr(engine, "optimizer", None)
+        self.device = getattr(engine, "device", "cpu")
+        for name, partitioned in _FLAT_WEIGHTS:
+            flat = getattr(optimizer, name, None)
+            if isinstance(flat, list) and flat:  # a rank's ZeRO-3 partition may be empty: it still all-reduces
+                self.tensors = [t for t in flat if t is not None and t.numel()]
+                self.each_update, self.partitioned = True, partitioned
+                return
+        module = getattr(engine, "module", None)
+        self.tensors = list(module.parameters()) if module is not None else []
+        self.each_update, self.partitioned = False, False
+
+    def finite(self) -> bool:
+        total = 0.0
+        for tensor in self.tensors:
+            total += float(tensor.detach().sum())
+        finite = math.isfinite(total)
+        if self.partitioned:
+            (_, most), = spread_across_ranks([not finite], self.device)
+            finite = not most
+        return finite
 
 
 class BoundaryOverride:

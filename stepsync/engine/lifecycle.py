@@ -54,7 +54,10 @@ class RunStart:
         shift: what a resume on another layout skips and trains twice.
         inherited_remedy: what the event of a drift found at the start tells the user (default: the run's remedy).
         asked_clip: the gradient clipping norm the user asked of the framework (the Trainer's ``max_grad_norm``),
-            held against the one the engine applies; None where the framework asks none.
+            held against the one the engine applies; None where the framework asks none. ``clip_fix``: what to
+            change where they differ.
+        asked_g: each place the user set G that the framework may have overridden: (where, value, the fix when
+            it is not the G in force).
     """
 
     framework: Framework
@@ -79,6 +82,8 @@ class RunStart:
     shift: Optional[ResumeShift] = None
     inherited_remedy: Optional[str] = None
     asked_clip: Optional[float] = None
+    clip_fix: str = 'set "gradient_clipping": "auto" in the DeepSpeed config'
+    asked_g: Tuple[Tuple[str, int, str], ...] = ()
 
 
 def idle_report(framework: Framework, policy: Policy, reason: str = "", level: int = logging.INFO,
@@ -108,8 +113,11 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None) -> 
     if start.record_problem:
         run.error(f"{start.record_problem}; the report covers this run only")
     _say_the_shift(run, start.shift)
-    say_the_clip(run, start.asked_clip, "set \"gradient_clipping\": \"auto\" in the DeepSpeed config",
-                 "before the first micro-batch")
+    say_the_clip(run, start.asked_clip, start.clip_fix, "before the first micro-batch")
+    for where, asked, fix in start.asked_g:
+        if asked != run.g:
+            _refuse_or_warn(run, f"{where} asks gradient_accumulation_steps={asked} but the engine accumulates "
+                                 f"{run.g} micro-batches per update; {fix}", "before the first micro-batch")
     report.trainer_steps, report.engine_steps = start.trainer_steps, start.engine.global_steps
     report.engine_skipped = run.skipped_seen
     report.inherited_drift = report.drift
@@ -152,6 +160,11 @@ def say_the_clip(run: Run, asked: Optional[float], fix: str, where: str) -> None
             + (f"clips at {applied:g}" if applied else "does not clip at all")
             + f" (the DeepSpeed config's gradient_clipping, or this DeepSpeed release's default where the config "
               f"has none, wins); {fix}")
+    _refuse_or_warn(run, text, where)
+
+
+def _refuse_or_warn(run: Run, text: str, where: str) -> None:
+    """What is in force is not what was asked: a warning, or under raise a stop ``where`` it is found."""
     if run.report.policy is Policy.RAISE:
         raise StepSyncConfigError(f"{text}; policy 'raise' stops {where}")
     run.warn(text)

@@ -10,7 +10,6 @@ from ..display import render
 from ..display.output import logger
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..core.events import SkippedUpdate
     from ..core.report import SyncReport
     from ..core.versions import StackBehaviour
     from .deepspeed import EngineFacts
@@ -54,22 +53,6 @@ class Messages:
                       "not at its own boundaries; the forecast assumes managed accumulation and will differ")
         for caveat in self.behaviour.caveats:
             self.note(caveat)
-
-    def say_skipped(self, skip: SkippedUpdate) -> None:
-        """The first skipped update of each kind, said at once; the summary counts the rest."""
-        if sum(s.by_design == skip.by_design for s in self.report.skipped_updates) > 1:
-            return
-        if skip.by_design:
-            self.note(f"the engine skipped {skip}: fp16's dynamic loss scale skips updates while it searches for a "
-                      "scale; engine.global_steps counts them, and the report counts them apart")
-            return
-        framework = self.report.framework
-        schedule = (f"{framework.name} steps the LR scheduler on its own count, so the LR moved for it all the same "
-                    "(stepsync cannot take a scheduler's step back)" if framework.schedules_on_its_count else
-                    "the LR schedule does not move for it")
-        self.warn(f"the engine skipped {skip}. engine.global_steps counts it all the same, and {schedule}; find the "
-                  "micro-batch whose loss is not finite in that window (policy 'raise' stops at the first such "
-                  "update); later skips are counted in the report")
 
     def announce(self, predicted: Forecast) -> None:
         """The forecast at the start: its verdict, its table, and an early end said as a warning."""

@@ -9,8 +9,8 @@ from typing import Dict, Optional, Type
 
 from ..core import rules
 from ..core.choices import Policy
-from ..core.errors import StepDriftError, StepSyncConfigError, UpdateSkippedError
-from ..core.events import DriftEvent, SkippedUpdate
+from ..core.errors import NonFiniteUpdateError, StepDriftError, StepSyncConfigError, UpdateSkippedError
+from ..core.events import DriftEvent, NonFiniteUpdate, SkippedUpdate
 from ..core.forecast import forecast
 from ..core.versions import EngineBoundary
 from .deepspeed import BoundaryOverride
@@ -49,6 +49,10 @@ class RaiseAction(PolicyAction):
         # DeepSpeed agrees on a skip across ranks (its overflow check is all-reduced): every rank raises here.
         if not skip.by_design:
             raise UpdateSkippedError(skip)
+
+    def on_non_finite_update(self, update: NonFiniteUpdate) -> None:
+        # Every rank holds the whole weights, or agrees on its part through one all-reduce: every rank raises here.
+        raise NonFiniteUpdateError(update)
 
 
 class RealignAction(PolicyAction):

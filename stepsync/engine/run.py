@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from ..core.choices import Policy
 from ..core.errors import StepSyncError
-from ..core.events import Cause, DriftEvent, SkippedUpdate
+from ..core.events import Cause, DriftEvent
 from ..core.plan import RunPlan
 from ..core.prediction import Forecast
 from ..core.relayout import Layout
@@ -20,12 +20,12 @@ from ..core.report import EpochCount, SyncReport
 from ..core.versions import StackBehaviour
 from ..display import render
 from ..display.output import ConsoleOutput, logger
-from .deepspeed import engine_facts
-from .messages import Messages
+from .deepspeed import FiniteWeights, engine_facts
+from .outcomes import UpdateOutcomes
 from .steering import AT_DRIFT, EVERY_MICRO_BATCH, PolicyAction, Steering
 
 
-class Run(Messages):
+class Run(UpdateOutcomes):
     """Where the run is, as stepsync counts it: epoch, position in the epoch, engine counters.
 
     Args:
@@ -64,7 +64,7 @@ class Run(Messages):
 
     # What every micro-batch reads comes first: it shares the object's first cache lines.
     __slots__ = ("position", "engine", "engine_steps_seen", "since_engine_update", "steers", "observing", "report",
-                 "counts_skips", "skipped_seen",
+                 "counts_skips",
                  "last_drift", "trainer_steps_seen", "action", "engine_at_last_update", "engine_moved_in_window",
                  "facts", "behaviour", "n", "g", "output", "is_main", "plan", "epoch", "start_epoch", "skip",
                  "done_before_epoch", "t_before_epoch", "remedy", "known_cause", "checks_every_micro_batch", "layout")
@@ -93,6 +93,9 @@ class Run(Messages):
         self.engine_steps_seen = engine.global_steps
         self.counts_skips = self.facts.counts_skips
         self.skipped_seen = engine.skipped_steps if self.counts_skips else 0
+        # An engine that applies non-finite gradients: its weights are read after every update, or at epoch ends.
+        self.weights = FiniteWeights(engine) if self.facts.unchecked_gradients else None
+        self.weights_each_update = self.weights is not None and self.weights.each_update
         self.engine_at_last_update = self.engine_steps_seen
         self.trainer_steps_seen = 0
         self.engine_moved_in_window = False
@@ -137,6 +140,8 @@ class Run(Messages):
             self.since_engine_update = 0
             if self.counts_skips and self.engine.skipped_steps != self.skipped_seen:  # once per update, not batch
                 self._took_a_skip()
+            if self.weights_each_update and not self.weights.finite():  # type: ignore[union-attr]  # set together
+                self._took_non_finite()
         else:
             self.since_engine_update += 1
         steers = self.steers
@@ -164,6 +169,7 @@ class Run(Messages):
         self.engine_steps_seen = self.engine.global_steps
         if self.counts_skips and self.engine.skipped_steps != self.skipped_seen:
             self._took_a_skip()
+        self._check_weights_now()
         steering = self._took(self.action.at_epoch_end(self, trainer_steps))
         if steering is not None and steering.trainer_steps is not None:
             trainer_steps = steering.trainer_steps
@@ -176,6 +182,7 @@ class Run(Messages):
         """Training ended: give the engine's boundary back and close the report. True when the engine's count
         moved after the last micro-batch (the framework loaded a checkpoint into it)."""
         self.action.end(self)
+        self._check_weights_now()
         if not self.observing:
             return False
         self.report.trainer_steps = trainer_steps
@@ -256,17 +263,6 @@ class Run(Messages):
             if len(self.report.forecast_mismatches) == 1 and self.is_main:
                 why = f"because of the {self.known_cause.value}" if self.known_cause else "please report this stack"
                 logger.warning("%s; %s", text, why)
-
-    def _took_a_skip(self) -> None:
-        """The engine counted an update it did not apply (its ``skipped_steps`` rose): the report keeps where, the
-        policy hears of it, and the first whose data is lost is said at once (the summary counts the rest)."""
-        self.skipped_seen = self.engine.skipped_steps
-        skip = SkippedUpdate(max(self.epoch, 0) + 1, self.position, self.engine_steps_seen, self.facts.skips_by_design)
-        self.report.engine_skipped = self.skipped_seen
-        self.report.skipped_updates.append(skip)
-        if self.observing:
-            self._observe(self.say_skipped, skip)
-        self.action.on_skipped_update(skip)
 
     def drop(self, epoch: int, micro_batches: int) -> None:
         """``micro_batches`` of (1-based) ``epoch`` are left untrained by the policy."""

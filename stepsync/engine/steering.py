@@ -11,7 +11,7 @@ from enum import IntEnum
 from typing import Any, Optional, Protocol
 
 from ..core.choices import Policy
-from ..core.events import DriftEvent, SkippedUpdate
+from ..core.events import DriftEvent, NonFiniteUpdate, SkippedUpdate
 from ..core.plan import RunPlan
 from ..core.report import SyncReport
 from ..core.versions import StackBehaviour
@@ -110,6 +110,9 @@ class PolicyAction:
 
     def on_skipped_update(self, skip: SkippedUpdate) -> None:
         """When the engine counted an update it did not apply."""
+
+    def on_non_finite_update(self, update: NonFiniteUpdate) -> None:
+        """When the weights are no longer finite after an update the engine applied."""
 
     def end(self, run: RunView) -> None:
         """At the end of training or when stepsync switches itself off: leave the engine as it was."""

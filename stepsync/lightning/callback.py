@@ -124,7 +124,9 @@ class StepSyncCallback(Callback, Adapter):
         open_run(RunStart(LIGHTNING, self.policy, engine, behaviour, self._batches or n, g, self.output,
                           is_main=trainer.is_global_zero, trainer_steps=trainer.global_step, planned_by_forecast=True,
                           plan=plan, start_epoch=epoch, skip=batch_idx, action=action, checks_every_micro_batch=True,
-                          record=None if self._saved is None else ResumeRecord.from_dict(self._saved)), self._keep)
+                          record=None if self._saved is None else ResumeRecord.from_dict(self._saved),
+                          asked_clip=lightning_facts.asked_clip(trainer), clip_fix=lightning_facts.CLIP_FIX),
+                 self._keep)
 
     def _keep(self, run: Run) -> None:
         self._run, self.report, self._epoch_open = run, run.report, False
@@ -157,7 +159,7 @@ class StepSyncCallback(Callback, Adapter):
         run.after_micro_batch(updated, count)  # no steering reaches Lightning's loop: it is set before the epoch
         if updated and run.observing:
             self._observe("on_train_batch_end", lightning_facts.add_metrics, pl_module, count, run.engine_steps_seen,
-                          run.skipped_seen)
+                          run.update_metrics())
 
     @guarded(steering=True)
     def on_train_epoch_end(self, run: Run, trainer, pl_module) -> None:

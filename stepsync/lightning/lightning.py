@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from ..core.frameworks import LIGHTNING, SKIPPED_METRIC
+from ..core.frameworks import LIGHTNING
 from ..engine.deepspeed import is_engine
 
 
@@ -68,12 +68,21 @@ def scale_the_loss_once(engine: Any) -> Optional[int]:
     return before
 
 
-def add_metrics(module: Any, lightning_steps: int, engine_steps: int, skipped: int = 0) -> None:
-    """Both counts and the drift (and the engine's skipped updates, once there is one), through Lightning's own
-    ``log`` (its loggers and ``callback_metrics``)."""
+# Lightning puts gradient_clip_val into the DeepSpeed config only where the config has no gradient_clipping.
+CLIP_FIX = "remove \"gradient_clipping\" from the DeepSpeed config (Lightning then passes gradient_clip_val)"
+
+
+def asked_clip(trainer: Any) -> Optional[float]:
+    """The clip norm asked of Lightning's Trainer (``gradient_clip_val``), or None where none was asked."""
+    value = getattr(trainer, "gradient_clip_val", None)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def add_metrics(module: Any, lightning_steps: int, engine_steps: int, updates: Optional[dict] = None) -> None:
+    """Both counts and the drift (and what the updates did, once there is something to say), through Lightning's
+    own ``log`` (its loggers and ``callback_metrics``)."""
     counted, engine, drift = LIGHTNING.metric_keys
     metrics = {counted: float(lightning_steps), engine: float(engine_steps),
                drift: float(lightning_steps - engine_steps)}
-    if skipped:
-        metrics[SKIPPED_METRIC] = float(skipped)
+    metrics.update((key, float(value)) for key, value in (updates or {}).items())
     module.log_dict(metrics, on_step=True, on_epoch=False)

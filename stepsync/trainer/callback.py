@@ -197,7 +197,8 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
         if run is None or logs is None or not run.observing:
             return None
         try:  # guarded here, not by guarded(): one call less
-            trainer_facts.add_metrics(state, logs, run.engine_steps_seen, self._extra_metrics, run.skipped_seen)
+            extra = {**(self._extra_metrics or {}), **run.update_metrics()}
+            trainer_facts.add_metrics(state, logs, run.engine_steps_seen, extra)
         except Exception as exc:
             return self._failed("on_log", exc, False)
         return None

@@ -11,7 +11,7 @@ from types import FrameType
 from typing import Any, List, Optional, Tuple
 
 from ..core.choices import Policy
-from ..core.frameworks import SKIPPED_METRIC, TRAINER
+from ..core.frameworks import TRAINER
 from ..core.record import ResumeRecord, load_record, record_in_trainer_state, save_record
 from ..core.relayout import Layout
 from ..engine.deepspeed import is_engine
@@ -177,16 +177,16 @@ def asked_clip(args: Any) -> Optional[float]:
     return float(norm) if isinstance(norm, (int, float)) else None
 
 
-def add_metrics(state: Any, logs: dict, engine_steps: int, extra: Optional[dict] = None, skipped: int = 0) -> None:
+def add_metrics(state: Any, logs: dict, engine_steps: int, extra: Optional[dict] = None) -> None:
     """Add both counts and the drift to the record ``logs`` the Trainer is logging, and to its copy in
     ``log_history`` (the Trainer appended it there before calling the callbacks). ``engine_steps``: the count
     after the last micro-batch, not a best checkpoint's that ``load_best_model_at_end`` loaded since; ``extra``: more
-    metrics (a resume's shift); ``skipped``: the engine's updates it did not apply, logged once there is one."""
+    metrics (a resume's shift, what the updates did)."""
     last = state.log_history[-1] if state.log_history else {}
     in_history = logs.items() <= last.items()
     counted, engine, drift = TRAINER.metric_keys
     metrics = {counted: state.global_step, engine: engine_steps, drift: state.global_step - engine_steps,
-               **(extra or {}), **({SKIPPED_METRIC: skipped} if skipped else {})}
+               **(extra or {})}
     logs.update(metrics)
     if in_history and last:
         last.update(metrics)

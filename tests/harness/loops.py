@@ -37,7 +37,7 @@ def rises(counts: List[int]) -> List[int]:
     return [i + 1 for i, value in enumerate(counts) if value > (counts[i - 1] if i else 0)]
 
 
-def loop_deepspeed_config(gas: int, stage: int = 0, bf16: bool = False) -> dict:
+def loop_deepspeed_config(gas, stage: int = 0, bf16: bool = False) -> dict:
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
             "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
             **({"bf16": {"enabled": True}} if bf16 else {})}
@@ -46,14 +46,17 @@ def loop_deepspeed_config(gas: int, stage: int = 0, bf16: bool = False) -> dict:
 def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn", stage: int = 0,
              outside_accumulate: bool = False, seed: int = 0, trackers=(),
              before_micro_batch: Optional[Callable[[int], None]] = None, bf16: bool = False,
-             nan_at: Optional[int] = None, max_norm: Optional[float] = None) -> LoopRun:
+             nan_at: Optional[int] = None, max_norm: Optional[float] = None, code_g: Optional[int] = None,
+             config_g=None, told_g: Optional[int] = None) -> LoopRun:
     """Train the tiny model with a loop shaped like transformers' run_clm_no_trainer.py on accelerate + DeepSpeed.
 
     ``policy=None`` runs without stepsync; ``outside_accumulate`` calls ``accelerator.backward`` outside
     ``accelerator.accumulate()`` (the pattern stepsync warns about); ``before_micro_batch`` is called with the
     1-based index of each micro-batch (across epochs) before it runs; ``bf16`` trains in bf16, and ``nan_at`` makes
     that micro-batch's loss not finite; ``max_norm`` clips as the examples do
-    (``accelerator.clip_grad_norm_`` where ``sync_gradients``).
+    (``accelerator.clip_grad_norm_`` where ``sync_gradients``). ``code_g`` and ``config_g`` set G apart in
+    ``Accelerator(...)`` and in the DeepSpeed config (both ``gas`` by default), ``told_g`` is what
+    ``stepsync.watch`` is told the code asked.
     """
     cpu_distributed_env()
     import torch
@@ -68,8 +71,10 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
     # One process may run several loops (the tests do): accelerate keeps one shared state per process.
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    accelerator = Accelerator(gradient_accumulation_steps=gas, mixed_precision="bf16" if bf16 else None,
-                              deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=loop_deepspeed_config(gas, stage, bf16)))
+    config = loop_deepspeed_config(gas if config_g is None else config_g, stage, bf16)
+    accelerator = Accelerator(gradient_accumulation_steps=gas if code_g is None else code_g,
+                              mixed_precision="bf16" if bf16 else None,
+                              deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
     accelerator.trackers.extend(trackers)  # what init_trackers() would hold: accelerator.log() writes to them
     model = tiny_model(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -79,8 +84,8 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
                               num_training_steps=epochs * steps_per_epoch)
     model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
     engine = accelerator.deepspeed_engine_wrapped.engine
-    watch = stepsync.watch(accelerator, policy, dataloader=dataloader, num_epochs=epochs, console=False) \
-        if policy else None
+    watch = stepsync.watch(accelerator, policy, dataloader=dataloader, num_epochs=epochs, console=False,
+                           gradient_accumulation_steps=told_g) if policy else None
     result = LoopRun(accelerator, engine, watch)
     completed = 0
     try:

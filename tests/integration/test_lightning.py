@@ -200,3 +200,29 @@ def test_a_skipped_update_and_the_lr_lightning_moved_for_it(monkeypatch):
     assert any("Lightning steps the LR scheduler on its own count" in note for note in report.notes)
     assert any("stepped the LR scheduler 2 times for its 2 updates, of which the engine applied 1" in note
                for note in report.notes)
+
+
+@pytest.mark.parametrize("policy", ["warn", "raise"])
+def test_the_clip_norm_in_force_against_gradient_clip_val(policy):
+    import torch
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from stepsync.tools.tiny_lightning import lift_the_cuda_check
+
+    def strategy(**clip):
+        lift_the_cuda_check()
+        config = {"zero_optimization": {"stage": 0}, "train_micro_batch_size_per_gpu": 1,
+                  "zero_allow_untested_optimizer": True, **clip}
+        return DeepSpeedStrategy(config=config, parallel_devices=[torch.device("cpu", 0)], process_group_backend="gloo")
+
+    # The config's gradient_clipping wins over gradient_clip_val; Lightning passes the latter only where it has none.
+    result, report = fit(4, 2, 1, policy=policy, strategy=strategy(gradient_clipping=1.0), gradient_clip_val=0.5)
+    said = [note for note in report.notes if "asks to clip gradients at 0.5" in note]
+    if policy == "raise":
+        assert isinstance(result.error, StepSyncConfigError) and "before the first micro-batch" in str(result.error)
+        assert result.recording.batches == []
+        return
+    assert result.error is None and result.engine.gradient_clipping() == 1.0  # the truth: the engine's own
+    assert len(said) == 1 and "clips at 1" in said[0] and 'remove "gradient_clipping"' in said[0]
+    result, report = fit(4, 2, 1, policy=policy, strategy=strategy(), gradient_clip_val=0.5)  # the fix
+    assert result.engine.gradient_clipping() == 0.5 and not any("clip" in note for note in report.notes)

@@ -1,6 +1,10 @@
 """stepsync's hooks read integer counters only: no tensor op, no .item(), no .cpu(), nothing that waits for a
 device. Every torch call made during real runs is seen through a TorchFunctionMode; a call whose nearest
-non-torch caller is stepsync's own code fails the test."""
+non-torch caller is stepsync's own code fails the test.
+
+One reader is allowed, where the engine itself does not check its gradients: the sums that tell whether the
+weights are still finite (engine/deepspeed.py's FiniteWeights), at most once per update or epoch end, never per
+micro-batch."""
 import os
 import sys
 
@@ -31,7 +35,8 @@ def touching_modes():
             if frame is not None:
                 path = frame.f_code.co_filename
                 if path.startswith(PACKAGE) and path != HARNESS:
-                    self.touches.append(f"{getattr(func, '__name__', func)} from {path}:{frame.f_lineno}")
+                    self.touches.append((frame.f_code.co_name, path, f"{getattr(func, '__name__', func)} from "
+                                                                     f"{path}:{frame.f_lineno}"))
             return func(*args, **(kwargs or {}))
 
     return Watch(), torch
@@ -44,4 +49,24 @@ def test_hooks_touch_no_tensor(tmp_path, policy):
         result = run(tmp_path, 4 if policy == "raise" else 3, 2, 2, policy=policy, save_strategy="steps", save_steps=2)
     assert result.error is None
     assert result.callback.report.active and result.callback.report.finished
+    weights = os.path.join(PACKAGE, "engine", "deepspeed.py")
+    assert [where for name, path, where in watch.touches if path != weights or name not in ("__init__", "finite")
+            ] == []
+    # fp32 ZeRO-0: the engine checks no gradient and keeps no flat buffer, so the weights are summed at both epoch
+    # ends and at the end (a detach, a sum and a float per parameter each time), never in between.
+    reads = [where for name, path, where in watch.touches if name == "finite"]
+    parameters = len(list(result.engine.module.parameters()))
+    assert len(reads) == 3 * 3 * parameters
+
+
+def test_an_engine_that_checks_its_gradients_gets_no_tensor_read(tmp_path, monkeypatch):
+    from harness.nonfinite import bf16_config, deepspeed_skips
+
+    if not deepspeed_skips(2):
+        pytest.skip("this DeepSpeed does not check bf16 gradients on ZeRO-2")
+    bf16_config(monkeypatch)
+    watch, _ = touching_modes()
+    with watch:
+        result = run(tmp_path, 3, 2, 2, stage=2, policy="warn", bf16=True)
+    assert result.error is None and result.callback.report.finished
     assert watch.touches == []

@@ -7,56 +7,14 @@ The truth comes from a recorder of its own (never stepsync's view): after every 
 rises, the weights do not move and the LR schedule holds. stepsync must count, place and say exactly that.
 """
 import math
-from importlib.metadata import version
 
 import pytest
-from packaging.version import Version
 
-from harness.nonfinite import bf16_config, nan_trainer
+from harness.nonfinite import deepspeed_skips, skipping_run
 from harness.runs import run
 from harness.stack import needs_stack
 
 pytestmark = [needs_stack, pytest.mark.integration]
-
-
-def deepspeed_skips(stage):
-    """Whether this DeepSpeed skips a bf16 update whose gradients are not finite, as probed: 0.19.3 and later on
-    every ZeRO stage; before, ZeRO-0 only (0.18.4: ZeRO 1, 2 and 3 apply it, and every weight turns NaN)."""
-    return Version(version("deepspeed")) >= Version("0.19.3") or stage == 0
-
-
-def truth_recorder(trainer_ref, rows):
-    """After every micro-batch: (epoch, position, global_steps, skipped_steps, LR, weights' fingerprint)."""
-    from transformers import TrainerCallback
-
-    class Truth(TrainerCallback):
-        position = 0
-
-        def on_epoch_begin(self, args, state, control, **kwargs):
-            Truth.position = 0
-
-        def _after(self, state):
-            Truth.position += 1
-            engine = trainer_ref[0].model_wrapped
-            weights = sum(float(p.detach().float().sum()) for p in engine.module.parameters())
-            rows.append((math.ceil(state.epoch or 0) or 1, Truth.position, engine.global_steps, engine.skipped_steps,
-                         engine.lr_scheduler.get_last_lr()[0], weights))
-
-        def on_substep_end(self, args, state, control, **kwargs):
-            self._after(state)
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self._after(state)
-
-    return Truth()
-
-
-def skipping_run(tmp_path, monkeypatch, stage, g, nan_at, policy="warn", samples=6, epochs=1):
-    bf16_config(monkeypatch)
-    rows, trainer_ref = [], []
-    result = run(tmp_path, samples, g, epochs, stage=stage, policy=policy, bf16=True, trainer_class=nan_trainer(nan_at),
-                 extra_callbacks=[truth_recorder(trainer_ref, rows)], on_trainer=trainer_ref.append)
-    return result, rows
 
 
 def skips_in(rows):

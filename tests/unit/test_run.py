@@ -5,10 +5,14 @@ The fake engine keeps DeepSpeed's two counters and its boundary rule (``(micro_s
 (every G-th micro-batch and at the epoch's end) and applies what the run returns, as the callback does.
 The real Trainer and DeepSpeed are exercised by tests/integration; these pin the decisions themselves.
 """
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from stepsync.core.choices import Policy
-from stepsync.core.errors import StepDriftError, StepSyncConfigError, StepSyncError, UpdateSkippedError
+from stepsync.core.errors import (NonFiniteUpdateError, StepDriftError, StepSyncConfigError, StepSyncError,
+                                  UpdateSkippedError)
 from stepsync.core.events import Cause
 from stepsync.core.frameworks import ACCELERATE_LOOP, LIGHTNING, TRAINER
 from stepsync.core.lightning_versions import LightningStack, lightning_behaviour_of
@@ -25,19 +29,28 @@ ALIGNED = Stack("5.24.0", "1.16.0", "0.19.8")
 class FakeEngine:
     """DeepSpeed's counters and boundary, nothing else."""
 
-    def __init__(self, g, steerable=True, skips=(), clip=None, fp16=False):
+    def __init__(self, g, steerable=True, skips=(), clip=None, fp16=False, scale=None, nan_at=None, flat=True):
         self.global_steps = 0
         self.skipped_steps = 0
         self.micro_steps = 0
         self._g = g
         self._skips = set(skips)  # the updates (1-based) whose gradients are not finite: counted, not applied
         self._is_gradient_accumulation_boundary = None
+        self.optimizer = SimpleNamespace()
         if not steerable:
             self.set_gradient_accumulation_boundary = None
         if clip is not None:
             self.gradient_clipping = lambda: clip
         if fp16:
             self.fp16_enabled = self.dynamic_loss_scale = lambda: True
+        if scale is not None:  # fp16's dynamic scaler: (now, minimum, window)
+            self.optimizer.loss_scaler = SimpleNamespace(cur_scale=scale[0], min_scale=scale[1], scale_window=scale[2])
+        self._nan_at = nan_at  # the update (1-based) that leaves the weights not finite
+        self._weights = torch.zeros(3)
+        if flat:  # ZeRO 1-2 keep every weight in a flat buffer
+            self.optimizer.bit16_groups_flat = [self._weights]
+        else:
+            self.module = torch.nn.Linear(3, 1)
 
     def gradient_accumulation_steps(self):
         return self._g
@@ -50,7 +63,15 @@ class FakeEngine:
         if boundary is None:
             boundary = (self.micro_steps + 1) % self._g == 0
         self.global_steps += boundary
-        self.skipped_steps += boundary and self.global_steps in self._skips
+        skipped = boundary and self.global_steps in self._skips
+        self.skipped_steps += skipped
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        if skipped and scaler is not None:
+            scaler.cur_scale = max(scaler.cur_scale / 2, scaler.min_scale)
+        if boundary and self.global_steps == self._nan_at:
+            self._weights[1] = float("nan")
+            for param in getattr(self, "module", torch.nn.Linear(1, 1)).parameters():
+                param.data[0] = float("nan")
         self.micro_steps += 1
 
 
@@ -263,6 +284,64 @@ def test_fp16s_loss_scale_search_is_counted_as_such_and_does_not_stop_raise():
     run, _, _ = drive("raise", 4, 2, 1, engine=engine)
     assert [s.by_design for s in run.report.skipped_updates] == [True] and run.report.lost_updates == []
     assert any("fp16's dynamic loss scale" in note for note in run.report.notes)
+
+
+def test_an_fp16_skip_at_the_minimum_loss_scale_is_lost_data_and_stops_raise():
+    # The scale halves 4 -> 2 -> 1 (its minimum) at the first two skips: a search. The third finds it at 1 already.
+    engine = FakeEngine(2, skips={1, 2, 3}, fp16=True, scale=(4.0, 1.0, 1000))
+    run, _, _ = drive("warn", 8, 2, 1, engine=engine)
+    skips = run.report.skipped_updates
+    assert [(s.engine_steps, s.by_design, s.at_minimum_scale, s.loss_scale) for s in skips] == [
+        (1, True, False, 2.0), (2, True, False, 1.0), (3, False, True, 1.0)]
+    assert run.report.lost_updates == [skips[2]] and "minimum loss scale" in str(skips[2])
+    engine = FakeEngine(2, skips={1, 2, 3}, fp16=True, scale=(4.0, 1.0, 1000))
+    with pytest.raises(UpdateSkippedError) as stopped:
+        drive("raise", 8, 2, 1, engine=engine)
+    assert stopped.value.skip.engine_steps == 3 and engine.global_steps == 3
+    # Enough clean updates between two skips for the scale to grow again: a search, not lost data.
+    engine = FakeEngine(2, skips={1, 4}, fp16=True, scale=(2.0, 1.0, 2))
+    run, _, _ = drive("raise", 12, 2, 1, engine=engine)
+    assert [s.by_design for s in run.report.skipped_updates] == [True, True]
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_the_update_that_leaves_the_weights_not_finite_is_named_once(flat):
+    engine = FakeEngine(2, nan_at=2, flat=flat)
+    run, _, _ = drive("warn", 8, 2, 1, engine=engine)
+    found = run.report.non_finite
+    # Flat buffers are read after every update; a module's parameters at the epoch's end.
+    assert (found.epoch, found.micro_batch, found.engine_steps, found.each_update) == (
+        (1, 4, 2, True) if flat else (1, 8, 4, False))
+    assert sum("left weights that are not finite" in note for note in run.report.notes) == 1
+    assert run.update_metrics() == {"stepsync/non_finite_at_update": found.engine_steps}
+    assert run.report.to_dict()["non_finite"]["engine_steps"] == found.engine_steps
+    assert f"made 4 (weights not finite {'from' if flat else 'by'} update {found.engine_steps})" in str(run.report)
+    engine = FakeEngine(2, nan_at=2, flat=flat)
+    with pytest.raises(NonFiniteUpdateError) as stopped:
+        drive("raise", 8, 2, 1, engine=engine)
+    assert isinstance(stopped.value, StepSyncError) and engine.global_steps == (2 if flat else 4)
+
+
+def test_the_weights_are_not_read_where_the_engine_checks_its_gradients():
+    from stepsync.engine.deepspeed import engine_facts
+
+    def facts(**calls):
+        engine = FakeEngine(2)
+        for name, value in calls.items():
+            setattr(engine, name, lambda value=value: value)
+        return engine_facts(engine).unchecked_gradients
+
+    assert facts(fp16_enabled=True) == ""
+    bf16 = FakeEngine(2)
+    bf16.bfloat16_enabled = lambda: True
+    bf16._config = SimpleNamespace(bfloat16_config=SimpleNamespace(check_grad_overflow=True))
+    from stepsync.engine.deepspeed import engine_facts as read
+    assert read(bf16).unchecked_gradients == ""
+    bf16._config.bfloat16_config.check_grad_overflow = False
+    assert '"check_grad_overflow": true' in read(bf16).unchecked_gradients
+    assert "fp32" in facts()
+    run, _, _ = drive("warn", 4, 2, 1, engine=FakeEngine(2, fp16=True))
+    assert run.weights is None
 
 
 @pytest.mark.parametrize("policy", ["warn", "raise"])
