@@ -25,7 +25,7 @@ from ..core.frameworks import ACCELERATE_LOOP
 from ..core.plan import RunPlan
 from ..core.versions import EngineBoundary, PlannedSteps, Stack, TrainerRule, behaviour_of
 from ..display.output import ConsoleOutput
-from ..engine.deepspeed import is_engine
+from ..engine.deepspeed import engine_facts, is_engine
 from ..engine.faults import guarded
 from ..engine.lifecycle import RunStart, close_run, idle_report, open_run, say_the_clip
 from ..engine.loop_objects import InstancePatches, LoopAdapter, length_of
@@ -105,9 +105,11 @@ class LoopWatch(LoopAdapter):
         behaviour = dataclasses.replace(installed, trainer_rule=TrainerRule.EPOCH_END, planned_steps=PlannedSteps.CEIL,
                                         framework=ACCELERATE_LOOP)
         plan = None if n is None or num_epochs is None else RunPlan(n, g, num_epochs, -1, 0, engine.global_steps)
+        in_force = engine_facts(engine).gradient_accumulation_steps or g  # accelerate < 1.8 may keep the code's G
         open_run(RunStart(ACCELERATE_LOOP, self.policy, engine, behaviour, n, g, self.output,
                           is_main=bool(getattr(getattr(accelerator, "state", None), "is_main_process", True)),
-                          plan=plan, action=loop_action_for(self.policy), asked_g=g_asked(asked_g, g)), self._keep)
+                          plan=plan, action=loop_action_for(self.policy), asked_g=g_asked(asked_g, in_force)),
+                 self._keep)
         if n is None and self._run is not None:
             self._run.note("no dataloader length: pass dataloader=... to stepsync.watch() for a forecast")
         self._wrap()

@@ -114,10 +114,11 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None) -> 
         run.error(f"{start.record_problem}; the report covers this run only")
     _say_the_shift(run, start.shift)
     say_the_clip(run, start.asked_clip, start.clip_fix, "before the first micro-batch")
+    in_force = run.facts.gradient_accumulation_steps or run.g
     for where, asked, fix in start.asked_g:
-        if asked != run.g:
+        if asked != in_force:
             _refuse_or_warn(run, f"{where} asks gradient_accumulation_steps={asked} but the engine accumulates "
-                                 f"{run.g} micro-batches per update; {fix}", "before the first micro-batch")
+                                 f"{in_force} micro-batches per update; {fix}", "before the first micro-batch")
     report.trainer_steps, report.engine_steps = start.trainer_steps, start.engine.global_steps
     report.engine_skipped = run.skipped_seen
     report.inherited_drift = report.drift
