@@ -33,11 +33,13 @@ for stack in $stacks; do
     lightning) tests=(tests/unit/test_lightning_versions.py tests/integration/test_lightning.py
                       tests/integration/test_fabric.py tests/multiprocess/test_lightning_two_processes.py) ;;
     l[0-9]*) tests=(tests/integration/test_lightning.py tests/integration/test_fabric.py) ;;
-    # The last release before bf16's overflow check: the updates it applies although not finite.
+    # The last release before bf16's overflow check (the updates it applies although not finite), and one that
+    # drops micro-batches under ZeRO-2 with offload (stepsync verify and the start's warning).
     t457) tests=(tests/unit/test_forecast.py tests/unit/test_versions.py tests/unit/test_run.py
                  tests/integration/test_support.py tests/integration/test_user_runs.py
                  tests/multiprocess/test_loops_two_processes.py tests/integration/test_skipped_updates.py
-                 tests/integration/test_non_finite_updates.py tests/multiprocess/test_non_finite_on_two_ranks.py) ;;
+                 tests/integration/test_non_finite_updates.py tests/multiprocess/test_non_finite_on_two_ranks.py
+                 tests/integration/test_verify.py tests/integration/test_weight_faults.py) ;;
     *) tests=(tests/unit/test_forecast.py tests/unit/test_versions.py tests/unit/test_run.py
               tests/integration/test_support.py tests/integration/test_user_runs.py
               tests/multiprocess/test_loops_two_processes.py) ;;

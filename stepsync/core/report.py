@@ -83,6 +83,8 @@ class SyncReport:
         engine_skipped: of ``engine_steps``, the updates the engine counted but did not apply (its own
             ``skipped_steps``, kept across resumes); ``applied_steps`` is the rest.
         skipped_updates: each update this run saw the engine skip, where (:class:`SkippedUpdate`).
+        weight_faults: what the installed DeepSpeed does to each micro-batch's weight in this configuration, as
+            probed (:mod:`stepsync.core.weights`), said before the first micro-batch.
         non_finite: where the weights were first found not finite after an update the engine applied
             (:class:`NonFiniteUpdate`); None while they are finite or where the engine checks its gradients.
     """
@@ -111,6 +113,7 @@ class SyncReport:
     engine_skipped: int = 0
     skipped_updates: List[SkippedUpdate] = field(default_factory=list)
     non_finite: Optional[NonFiniteUpdate] = None
+    weight_faults: List[str] = field(default_factory=list)
 
     @property
     def counter(self) -> str:
@@ -152,7 +155,7 @@ class SyncReport:
             lines.append(f"trained: {len(self.epochs)} epoch(s), {self.micro_batches} micro-batch(es)")
         if self.resume_shift is not None and not self.resume_shift.exact:
             lines.append(f"resumed on another layout: {self.resume_shift.message()}")
-        lines += [f"updates: {flaw}" for flaw in self.update_flaws]
+        lines += [f"updates: {flaw}" for flaw in self.weight_faults + self.update_flaws]
         lines += [f"drift event: {event.message()}" for event in self.events]
         lines += [f"note: {note}" for note in self.notes]
         if not self.active and self.inactive_reason:

@@ -50,6 +50,8 @@ class EngineFacts:
         gradient_clipping: the clip norm the engine applies (0: none; None if it does not say).
         unchecked_gradients: why the engine applies a gradient that is not finite instead of skipping its update
             (it checks none in this precision), or "" where it checks them.
+        zero_stage, offloads_optimizer, precision: what the weight faults of a release depend on (None, False,
+            "fp32" where the engine does not say).
     """
 
     gradient_accumulation_steps: Optional[int]
@@ -60,6 +62,9 @@ class EngineFacts:
     skips_by_design: bool = False
     gradient_clipping: Optional[float] = None
     unchecked_gradients: str = ""
+    zero_stage: Optional[int] = None
+    offloads_optimizer: bool = False
+    precision: str = "fp32"
 
 
 def _asked(engine: Any, name: str) -> Any:
@@ -79,12 +84,17 @@ def engine_facts(engine: Any) -> EngineFacts:
     elif not managed:
         why_not = "DeepSpeed's managed_gradient_accumulation is false: every step() is a boundary"
     clip = _asked(engine, "gradient_clipping")
+    stage = _asked(engine, "zero_optimization_stage")
     searches_a_scale = bool(_asked(engine, "fp16_enabled")) and bool(_asked(engine, "dynamic_loss_scale"))
     return EngineFacts(gas, not why_not, why_not, managed,
                        counts_skips=isinstance(getattr(engine, "skipped_steps", None), int),
                        skips_by_design=searches_a_scale,
                        gradient_clipping=float(clip) if isinstance(clip, (int, float)) else None,
-                       unchecked_gradients=_unchecked_gradients(engine))
+                       unchecked_gradients=_unchecked_gradients(engine),
+                       zero_stage=stage if isinstance(stage, int) else None,
+                       offloads_optimizer=bool(_asked(engine, "zero_cpu_offload")),
+                       precision="bf16" if _asked(engine, "bfloat16_enabled") else
+                       "fp16" if _asked(engine, "fp16_enabled") else "fp32")
 
 
 def _unchecked_gradients(engine: Any) -> str:

@@ -21,6 +21,7 @@ from ..core.record import ResumeRecord, step_of
 from ..core.relayout import Layout, ResumeShift
 from ..core.report import LoadedCheckpoint, SyncReport
 from ..core.versions import StackBehaviour
+from ..core.weights import weight_faults
 from ..display.output import ConsoleOutput, logger
 from .policies import action_for
 from .resume import continue_from
@@ -115,6 +116,7 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None) -> 
     _say_the_shift(run, start.shift)
     say_the_clip(run, start.asked_clip, start.clip_fix, "before the first micro-batch")
     in_force = run.facts.gradient_accumulation_steps or run.g
+    _say_the_weight_faults(run, getattr(start.behaviour.stack, "deepspeed", None), in_force)
     for where, asked, fix in start.asked_g:
         if asked != in_force:
             _refuse_or_warn(run, f"{where} asks gradient_accumulation_steps={asked} but the engine accumulates "
@@ -136,6 +138,21 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None) -> 
         continue_from(run, start.record)
     run.check(start.trainer_steps, "train_begin", start.inherited_remedy)
     return run, steering
+
+
+def _say_the_weight_faults(run: Run, deepspeed: Optional[str], g: int) -> None:
+    """What the installed DeepSpeed does to each micro-batch's weight in this configuration, as probed: warned,
+    or refused before the first micro-batch under raise and sync (stepsync cannot repair it from outside)."""
+    facts = run.facts
+    if deepspeed is None or facts.zero_stage is None:
+        return
+    for fault in weight_faults(deepspeed, facts.zero_stage, facts.offloads_optimizer, facts.precision, g):
+        text = fault.message(deepspeed, g)
+        run.report.weight_faults.append(text)
+        if run.report.policy in (Policy.RAISE, Policy.SYNC):
+            raise StepSyncConfigError(f"{text}; policy '{run.report.policy.value}' stops before the first "
+                                      "micro-batch (stepsync cannot make these updates right from outside DeepSpeed)")
+        run.warn(text)
 
 
 def _say_the_shift(run: Run, shift: Optional[ResumeShift]) -> None:

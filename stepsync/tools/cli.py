@@ -1,4 +1,4 @@
-"""The ``stepsync`` command line: check, inspect and demo. Exit codes: 0 aligned, 1 drift, 2 bad input."""
+"""The ``stepsync`` command line: check, inspect, verify and demo. Exit codes: 0 aligned, 1 drift, 2 bad input."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 from rich.console import Console
 
@@ -18,12 +18,13 @@ from ..core.lightning_versions import MEASURED_LIGHTNING, LightningStack, lightn
 from ..core.plan import RunPlan
 from ..core.record import TRAINER_STATE, load_record, read_json
 from ..core.relayout import Layout
-from ..core.versions import MEASURED_TRANSFORMERS, NEWEST, Stack, behaviour_of, installed_version
+from ..core.versions import MEASURED_TRANSFORMERS, Stack, behaviour_of, installed_version
 from ..display.render import audit_view, forecast_view
 from .audit import audit_output_dir
-from .config import deepspeed_config_of, from_training_args, resolve
+from .config import deepspeed_config_of, from_training_args, resolve, versions_for, weight_faults_of
 from .demo import run_demo
 from .resume_audit import resume_on
+from .verify import verify_command
 
 EXIT_ALIGNED, EXIT_DRIFTS, EXIT_BAD_INPUT = 0, 1, 2
 POLICIES = ", ".join(p.value for p in Policy)
@@ -32,6 +33,8 @@ DESCRIPTION = """Keep transformers' Trainer and the DeepSpeed engine agreeing on
 commands:
   check     forecast a configuration without training (light: needs neither torch nor DeepSpeed)
   inspect   audit the checkpoints of a Trainer output directory (light)
+  verify    measure what the installed DeepSpeed does with your config: each micro-batch's weight in one
+            real window, a non-finite loss, the clip norm in force (needs torch and deepspeed)
   demo      a real Trainer + DeepSpeed run on CPU, live (needs the training packages)
 
 exit status: 0 aligned or consistent, 1 drift, an early end or a mismatch, 2 bad input."""
@@ -127,6 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --world-size: the resume's per-device batch (default: as saved)")
     inspect.add_argument("--gas", type=_positive, default=None,
                          help="with --world-size: the resume's gradient_accumulation_steps (default: as saved)")
+    verify = commands.add_parser(
+        "verify", help="measure what the installed DeepSpeed does with your config",
+        description="One real window through an engine built from your config: each micro-batch's weight in "
+                    "the update, a non-finite loss, the clip in force. Exit 0: every weight is 1/G; 1: one is "
+                    "not; 2: a config it cannot run.",
+        epilog="example: stepsync verify --deepspeed ds_config.json --gas 4 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    verify.add_argument("--deepspeed", metavar="FILE", required=True, help="your DeepSpeed JSON config")
+    verify.add_argument("--gas", type=_positive, required=True, help="gradient_accumulation_steps")
+    verify.add_argument("--json", action="store_true", help="print one JSON object")
     demo = commands.add_parser(
         "demo", help="a real Trainer + DeepSpeed run on CPU, live",
         description="A tiny GPT-2 built from a config, trained by the real Trainer and DeepSpeed on CPU.",
@@ -159,16 +172,9 @@ def run_check(args) -> int:
         notes.append(f"{args.training_args} names no DeepSpeed config: the forecast assumes the run uses DeepSpeed; "
                      "if it is launched with accelerate's DeepSpeed plugin, pass --deepspeed-config with the "
                      "plugin's config file")
-    # Where a package is neither given nor installed, say which release the forecast assumes.
-    assumed = {"transformers": MEASURED_TRANSFORMERS[-1], "accelerate": NEWEST, "deepspeed": NEWEST}
-    versions: Dict[str, str] = {}
-    for package in ("transformers", "accelerate", "deepspeed"):
-        found = getattr(args, package) or installed_version(package)
-        versions[package] = found or assumed[package]
-        if found is None:
-            shown = "its newest release" if assumed[package] == NEWEST else assumed[package]
-            notes.append(f"{package} is not installed here and --{package} was not given: the forecast assumes "
-                         f"{shown}; pass --{package} VERSION for the run's machine")
+    versions = versions_for({p: getattr(args, p) for p in ("transformers", "accelerate", "deepspeed")}, notes)
+    faults = weight_faults_of(deepspeed, versions["deepspeed"], inputs.gradient_accumulation_steps)
+    notes += faults
     stage = args.zero_stage if args.zero_stage is not None else ((deepspeed or {}).get("zero_optimization") or {}).get(
         "stage")
     if args.framework == "lightning":
@@ -195,7 +201,7 @@ def run_check(args) -> int:
         print(json.dumps(data))
     else:
         Console().print(forecast_view(result, notes))
-    return EXIT_ALIGNED if result.sound else EXIT_DRIFTS
+    return EXIT_ALIGNED if result.sound and not faults else EXIT_DRIFTS
 
 
 def resume_of(folder: str, inputs, behaviour):
@@ -231,6 +237,15 @@ def run_inspect(args) -> int:
     return EXIT_ALIGNED if audit.ok and all(r.works for r in resumes) else EXIT_DRIFTS
 
 
+def run_verify(args) -> int:
+    missing = [p for p in ("torch", "deepspeed") if installed_version(p) is None]
+    if missing:
+        print(f"stepsync: error: stepsync verify runs DeepSpeed: it needs {', '.join(missing)}: {INSTALL_TRAINING}",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return verify_command(read_json(args.deepspeed, "--deepspeed"), args.gas, args.json)
+
+
 def run_lightning_demo(args) -> int:
     """The Lightning demo runs in a process of its own: this command line never imports Lightning."""
     missing = [p for p in ("torch", "lightning", "deepspeed") if installed_version(p) is None]
@@ -256,6 +271,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return run_check(args)
         if args.command == "inspect":
             return run_inspect(args)
+        if args.command == "verify":
+            return run_verify(args)
         if args.framework == "lightning":
             return run_lightning_demo(args)
         missing = [p for p in ("torch", "transformers", "accelerate", "deepspeed") if installed_version(p) is None]

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..core.errors import ConfigInputError
 from ..core.record import read_json
+from ..core.versions import MEASURED_TRANSFORMERS, NEWEST, installed_version
+from ..core.weights import weight_faults
 
 
 @dataclass(frozen=True)
@@ -143,3 +145,33 @@ def _micro_batches(flags: Dict[str, Any], batch: int, world: int, drop_last: boo
         raise ConfigInputError(f"{samples} samples on {world} rank(s) give no full batch of {batch} with "
                                "drop_last: lower the batch size or drop --drop-last")
     return micro
+
+
+def versions_for(given: Dict[str, Optional[str]], notes: List[str]) -> Dict[str, str]:
+    """The release of each package the forecast is made for: given, else installed, else the one assumed (said in
+    ``notes``)."""
+    assumed = {"transformers": MEASURED_TRANSFORMERS[-1], "accelerate": NEWEST, "deepspeed": NEWEST}
+    versions: Dict[str, str] = {}
+    for package, version in given.items():
+        found = version or installed_version(package)
+        versions[package] = found or assumed[package]
+        if found is None:
+            shown = "its newest release" if assumed[package] == NEWEST else assumed[package]
+            notes.append(f"{package} is not installed here and --{package} was not given: the forecast assumes "
+                         f"{shown}; pass --{package} VERSION for the run's machine")
+    return versions
+
+
+def weight_faults_of(config: Optional[Dict[str, Any]], deepspeed: str, g: int) -> List[str]:
+    """What the DeepSpeed release does to each micro-batch's weight under ``config`` (its ZeRO stage, offload and
+    precision), as probed; nothing without a config."""
+    if not isinstance(config, dict):
+        return []
+    zero = config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    offload = isinstance(zero, dict) and (zero.get("offload_optimizer") or {}).get("device") == "cpu"
+    bf16 = (config.get("bf16") or config.get("bfloat16") or {}).get("enabled") is True
+    if not isinstance(stage, int):
+        return []
+    return [fault.message(deepspeed, g) for fault in weight_faults(deepspeed, stage, offload, "bf16" if bf16 else
+                                                                  "fp32", g)]

@@ -98,6 +98,20 @@ def test_deepspeed_config_alone_gives_g(tmp_path):
     assert proc.returncode == 1 and json.loads(proc.stdout)["drift"] == 1
 
 
+@pytest.mark.parametrize("deepspeed, g, faulty", [("0.18.4", 3, True), ("0.18.9", 4, True), ("0.19.0", 3, False),
+                                                   ("0.18.4", 2, False), ("0.17.4", 3, False)])
+def test_check_names_the_micro_batches_a_release_drops_under_zero2_with_offload(tmp_path, deepspeed, g, faulty):
+    config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+              "gradient_accumulation_steps": "auto", "train_micro_batch_size_per_gpu": "auto"}
+    ds = write(tmp_path, "ds.json", json.dumps(config))
+    proc = stepsync("check", "--samples", str(4 * g), "--gas", str(g), "--epochs", "1", "--deepspeed-config", ds,
+                    "--transformers", "5.24.0", "--accelerate", "1.16.0", "--deepspeed", deepspeed, "--json")
+    said = [note for note in json.loads(proc.stdout)["notes"] if "offloaded to the CPU" in note]
+    assert proc.returncode == (1 if faulty else 0) and len(said) == faulty
+    if faulty:  # the micro-batches between the first and the last of each window, as probed
+        assert f"micro-batch(es) {list(range(2, g))} of every window of {g}" in said[0] and "0.19.0" in said[0]
+
+
 @pytest.mark.reliability("bad_input")
 @pytest.mark.parametrize("args_json, ds_json, fix", [
     ("{not json", None, "is not valid JSON"),

@@ -1,0 +1,94 @@
+"""What each DeepSpeed release trains: each micro-batch's weight in its update, as probed.
+
+The probes (``weight_probes.json`` beside this module) are ``stepsync verify``'s own measurement run on every
+release listed, on this project's CPU machines with torch 2.13: ZeRO 0-3, the optimizer offloaded to the CPU or
+not, fp32 and bf16, G = 2, 3 and 4, one window through the engine itself, each micro-batch's weight solved from
+the parameters. A right update gives each micro-batch 1/G. The rows below name each fault found, the first and
+last release measured with it and the first measured without it; ``tests/unit/test_weights.py`` fails when the
+rows and the data disagree. Pure: no torch, no DeepSpeed.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+from .versions import parse_version
+
+PROBES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weight_probes.json")
+
+
+@dataclass(frozen=True)
+class WeightFault:
+    """A configuration in which some micro-batches do not weigh 1/G of their update.
+
+    Attributes:
+        name: a short handle.
+        stages: the ZeRO stages it shows on.
+        offload: True where the optimizer is offloaded to the CPU, False where it is not.
+        precision: "bf16" or "fp32" where it shows on one only, None for both.
+        smallest_g: the smallest G it shows at.
+        first_measured, last_measured: the first and last release measured with it.
+        fixed_in: the first release measured without it after it.
+        right_before: the last release measured without it before it (None: none before could run it here).
+        effect: what happens, in words.
+        avoid: how to avoid it.
+    """
+
+    name: str
+    stages: Tuple[int, ...]
+    offload: bool
+    precision: Optional[str]
+    smallest_g: int
+    first_measured: str
+    last_measured: str
+    fixed_in: str
+    right_before: Optional[str]
+    effect: str
+    avoid: str
+
+    def shows(self, deepspeed: str, stage: int, offload: bool, precision: str, g: int) -> bool:
+        """Whether this fault shows on this release and configuration: measured from ``first_measured`` on, and
+        taken to last until ``fixed_in`` (the releases between the last measured and the fix included)."""
+        return (stage in self.stages and offload == self.offload and self.precision in (None, precision)
+                and g >= self.smallest_g
+                and parse_version(self.first_measured) <= parse_version(deepspeed) < parse_version(self.fixed_in))
+
+    def wrong_micro_batches(self, g: int) -> List[int]:
+        """The 1-based micro-batches of a window that do not weigh 1/G."""
+        if self.name == "offload-keeps-first-and-last":
+            return list(range(2, g))
+        if self.name == "zero2-keeps-the-last":
+            return list(range(1, g))
+        return list(range(1, g + 1))
+
+    def message(self, deepspeed: str, g: int) -> str:
+        wrong = self.wrong_micro_batches(g)
+        return (f"DeepSpeed {deepspeed} {self.effect} (micro-batch(es) {wrong} of every window of {g}; measured on "
+                f"{self.first_measured} to {self.last_measured}, right again on {self.fixed_in}): {self.avoid}")
+
+
+FAULTS = (
+    WeightFault("offload-keeps-first-and-last", (2,), True, None, 3, "0.17.5", "0.18.9", "0.19.0", None,
+                "with ZeRO-2 and the optimizer offloaded to the CPU keeps only the first and the last micro-batch "
+                "of each window in the update: the ones between weigh 0",
+                "upgrade DeepSpeed to 0.19.0 or later, or use ZeRO-1 or ZeRO-3 with the same offload, or G <= 2"),
+    WeightFault("zero2-keeps-the-last", (2,), False, None, 2, "0.17.6", "0.18.2", "0.18.3", "0.17.5",
+                "with ZeRO-2 keeps only the last micro-batch of each window in the update: the others weigh 0",
+                "upgrade DeepSpeed to 0.18.3 or later, or use ZeRO-1"),
+    WeightFault("bf16-zero0-divided", (0,), False, "bf16", 2, "0.18.3", "0.18.5", "0.18.6", "0.18.2",
+                "with ZeRO-0 in bf16 divides every gradient by 65536: each micro-batch weighs 1/(65536 G)",
+                "upgrade DeepSpeed to 0.18.6 or later, or use ZeRO-1"),
+)
+
+
+def weight_faults(deepspeed: str, stage: int, offload: bool, precision: str, g: int) -> List[WeightFault]:
+    """The faults that show on this release and configuration, as probed."""
+    return [fault for fault in FAULTS if fault.shows(deepspeed, stage, offload, precision, g)]
+
+
+def probes() -> list:
+    """The stored probe rows (``weight_probes.json``)."""
+    with open(PROBES) as handle:
+        return json.load(handle)

@@ -1,0 +1,222 @@
+"""``stepsync verify``: what the installed DeepSpeed does with the user's own config, measured, not looked up.
+
+One real window of G micro-batches through a DeepSpeed engine built from the config (its ZeRO stage, offload,
+precision and clipping kept; its optimizer and scheduler replaced by plain SGD at lr 1, which makes the update
+exact): a linear model with one weight per micro-batch, each micro-batch a one-hot row, so each weight's move is
+that micro-batch's share of the update. A right update gives each 1/G. Then a second window with one non-finite
+loss: did the engine skip that update, or apply it? And the clip norm the engine applies.
+
+Single process, on the device DeepSpeed's accelerator finds (CPU here). Needs torch and deepspeed.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from importlib.metadata import version
+from typing import Any, Dict, List, Optional
+
+from .tiny_run import cpu_distributed_env
+
+# The loss is scaled this small so that no clip norm a config sets ever acts on the measured window.
+LOSS_SCALE = 1e-3
+# How far a measured weight may be from 1/G: bf16 keeps 8 bits of mantissa.
+TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-3}
+KEYS_REPLACED = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
+                 "gradient_accumulation_steps")
+
+
+class VerifyInputError(ValueError):
+    """A config ``stepsync verify`` cannot run; the message says why."""
+
+
+@dataclass
+class Verdict:
+    """What the engine did in the measured windows.
+
+    Attributes:
+        deepspeed: the release measured.
+        stage, offload, precision: what the config asks.
+        g: micro-batches per update.
+        weights: each micro-batch's share of the update, in order (1/G each when right).
+        right: every weight is 1/G within the precision's tolerance.
+        clip: the clip norm the engine applies (0: none).
+        non_finite: what the engine did with a window holding a non-finite loss: "skipped" (its
+            ``skipped_steps`` rose, the weights did not move), "applied" (the weights are no longer finite), or
+            "moved on" (neither: the weights moved and stayed finite).
+        notes: what was changed in the config to measure, and why.
+    """
+
+    deepspeed: str
+    stage: int
+    offload: str
+    precision: str
+    g: int
+    weights: List[float] = field(default_factory=list)
+    right: bool = False
+    clip: float = 0.0
+    non_finite: str = ""
+    notes: List[str] = field(default_factory=list)
+
+    def wrong(self) -> List[int]:
+        """1-based micro-batches whose share is not 1/G."""
+        tolerance = TOLERANCE.get(self.precision, 1e-4)
+        return [k for k, w in enumerate(self.weights, 1) if abs(w * self.g - 1) > tolerance]
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {**asdict(self), "wrong_micro_batches": self.wrong()}
+
+
+def measuring_config(config: Dict[str, Any], g: int) -> Dict[str, Any]:
+    """The user's config with what the measurement needs: G micro-batches of one sample, and no optimizer or
+    scheduler of its own (the engine takes the client's plain SGD)."""
+    if not isinstance(config, dict):
+        raise VerifyInputError("the DeepSpeed config must be a JSON object")
+    measured = {k: v for k, v in copy.deepcopy(config).items() if k not in KEYS_REPLACED}
+    measured.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=g, train_batch_size=g,
+                    zero_allow_untested_optimizer=True, zero_force_ds_cpu_optimizer=False)
+    for precision in ("bf16", "fp16"):
+        section = measured.get(precision)
+        if isinstance(section, dict) and section.get("enabled") == "auto":
+            section["enabled"] = False  # "auto" follows a framework's flag; here nothing sets it
+    if measured.get("gradient_clipping") == "auto":
+        measured["gradient_clipping"] = 1.0  # what the Trainer and accelerate fill it with by default
+    return measured
+
+
+def precision_of(config: Dict[str, Any]) -> str:
+    for name in ("bf16", "fp16"):
+        section = config.get(name) or (config.get("bfloat16") if name == "bf16" else None)
+        if isinstance(section, dict) and section.get("enabled") is True:
+            return name
+    return "fp32"
+
+
+def _engine(config: Dict[str, Any], g: int):
+    import deepspeed
+    import torch
+
+    class OneWeightPerMicroBatch(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(g))
+
+        def forward(self, x):
+            return LOSS_SCALE * (self.w * x).sum()
+
+    model = OneWeightPerMicroBatch()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def _weights(engine) -> List[float]:
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([engine.module.w]):  # ZeRO-3 keeps a partition per rank
+        return [float(v) for v in engine.module.w.detach().float()]
+
+
+def _window(engine, g: int, nan_at: Optional[int] = None) -> None:
+    import torch
+
+    dtype = next(engine.module.parameters()).dtype
+    for k in range(g):
+        x = torch.zeros(g, dtype=dtype, device=engine.device)
+        x[k] = 1
+        loss = engine(x)
+        if k == nan_at:
+            loss = loss * float("nan")
+        engine.backward(loss)
+        engine.step()
+
+
+def verify(config: Dict[str, Any], g: int) -> Verdict:
+    """Measure one window of ``g`` micro-batches, then one with a non-finite loss, on the installed DeepSpeed."""
+    if g < 1:
+        raise VerifyInputError(f"--gas {g}: must be >= 1")
+    measured = measuring_config(config, g)
+    zero = measured.get("zero_optimization") or {}
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none") if isinstance(zero, dict) else "none"
+    verdict = Verdict(version("deepspeed"), int(zero.get("stage", 0)) if isinstance(zero, dict) else 0,
+                      str(offload), precision_of(measured), g)
+    verdict.notes.append("measured with plain SGD at lr 1 in place of the config's optimizer and scheduler, one "
+                         "sample per micro-batch, one process")
+    cpu_distributed_env()
+    quiet = logging.getLogger("DeepSpeed")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    # DeepSpeed writes to stdout (logs and prints): to stderr while it runs, so that the verdict (and --json) is
+    # all stdout holds.
+    sys.stdout.flush()
+    stdout = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        _measure(verdict, measured, g)
+    except VerifyInputError:
+        raise
+    except Exception as exc:  # DeepSpeed refuses the config: say why, never a traceback
+        raise VerifyInputError(f"DeepSpeed {verdict.deepspeed} cannot train this config on this machine: "
+                               f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        sys.stdout.flush()
+        os.dup2(stdout, 1)
+        os.close(stdout)
+        quiet.setLevel(level)
+    return verdict
+
+
+def _measure(verdict: Verdict, measured: Dict[str, Any], g: int) -> None:
+    engine = _engine(measured, g)
+    clip = engine.gradient_clipping()
+    verdict.clip = float(clip) if isinstance(clip, (int, float)) else 0.0
+    before = _weights(engine)
+    _window(engine, g)
+    after = _weights(engine)
+    verdict.weights = [(b - a) / LOSS_SCALE for b, a in zip(before, after)]
+    verdict.right = not verdict.wrong()
+    skipped = engine.skipped_steps
+    _window(engine, g, nan_at=0)
+    last = _weights(engine)
+    if engine.skipped_steps > skipped and last == after:
+        verdict.non_finite = "skipped"
+    elif not all(math.isfinite(v) for v in last):
+        verdict.non_finite = "applied"
+    else:
+        verdict.non_finite = "moved on"
+
+
+def explain(verdict: Verdict) -> List[str]:
+    """The verdict in lines, for the console."""
+    g = verdict.g
+    lines = [f"DeepSpeed {verdict.deepspeed}, ZeRO-{verdict.stage}, offload {verdict.offload}, {verdict.precision}, "
+             f"G={g}: one window measured"]
+    for k, weight in enumerate(verdict.weights, 1):
+        mark = "" if k not in verdict.wrong() else "   <- not 1/G"
+        lines.append(f"  micro-batch {k}: {weight * g:.4g} x 1/{g} of the update{mark}")
+    lines.append("every micro-batch weighs 1/G: the update is right" if verdict.right else
+                 f"micro-batch(es) {verdict.wrong()} do not weigh 1/{g}: this stack and config do not train "
+                 "what the loss says")
+    lines.append(f"clip norm in force: {verdict.clip:g}" if verdict.clip else "clip norm in force: none")
+    lines.append({"skipped": "a non-finite loss: the engine skipped that update (counted in skipped_steps)",
+                  "applied": "a non-finite loss: the engine APPLIED it; the weights are no longer finite",
+                  "moved on": "a non-finite loss: the engine moved the weights and they stayed finite"}[
+        verdict.non_finite])
+    lines += [f"note: {note}" for note in verdict.notes]
+    return lines
+
+
+def verify_command(config: Dict[str, Any], g: int, as_json: bool) -> int:
+    """``stepsync verify``: the verdict printed; 0 when every micro-batch weighs 1/G, 1 when one does not, 2 for a
+    config DeepSpeed cannot run here (with why, never a traceback)."""
+    try:
+        verdict = verify(config, g)
+    except VerifyInputError as exc:
+        print(f"stepsync: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(verdict.to_dict()) if as_json else "\n".join(explain(verdict)))
+    return 0 if verdict.right else 1

@@ -1,0 +1,97 @@
+"""``stepsync verify`` on the real DeepSpeed of the stack: each micro-batch's weight in one window, solved from the
+parameters, against the same window trained without DeepSpeed (plain torch, the loss averaged over the window);
+what the engine did with a non-finite loss, against its own counters; exit codes through the real command line."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from harness.nonfinite import deepspeed_skips
+from harness.stack import needs_stack
+
+pytestmark = [needs_stack, pytest.mark.integration]
+
+
+def without_deepspeed(g):
+    """Each micro-batch's share of the update of the same window in plain torch: the loss averaged over G."""
+    import torch
+
+    from stepsync.tools.verify import LOSS_SCALE
+
+    w = torch.nn.Parameter(torch.zeros(g))
+    optimizer = torch.optim.SGD([w], lr=1.0)
+    for k in range(g):
+        x = torch.zeros(g)
+        x[k] = 1
+        (LOSS_SCALE * (w * x).sum() / g).backward()
+    optimizer.step()
+    return [float(-v) / LOSS_SCALE for v in w.detach()]
+
+
+def verify(tmp_path, config, g, *flags):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    done = subprocess.run([sys.executable, "-m", "stepsync", "verify", "--deepspeed", str(path), "--gas", str(g),
+                           *flags], capture_output=True, text=True, timeout=300)
+    return done
+
+
+def offloaded(stage):
+    return {"zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}}
+
+
+def deepspeed():
+    from importlib.metadata import version
+
+    return version("deepspeed")
+
+
+def default_clip():
+    """DeepSpeed's clip where the config sets none: 1.0 from 0.19.3, none before (as probed)."""
+    from packaging.version import Version
+
+    return 1.0 if Version(deepspeed()) >= Version("0.19.3") else 0.0
+
+
+@pytest.mark.parametrize("stage, offload, g", [(0, False, 2), (2, False, 3), (2, True, 3), (3, True, 2)])
+def test_each_micro_batchs_weight_is_measured_against_the_run_without_deepspeed(tmp_path, stage, offload, g):
+    config = offloaded(stage) if offload else {"zero_optimization": {"stage": stage}}
+    done = verify(tmp_path, config, g, "--json")
+    verdict = json.loads(done.stdout)
+    right = without_deepspeed(g)
+    assert right == pytest.approx([1 / g] * g)
+    wrong = [k for k, (w, r) in enumerate(zip(verdict["weights"], right), 1) if abs(w - r) > 1e-4 * r]
+    assert verdict["wrong_micro_batches"] == wrong and verdict["right"] == (wrong == [])
+    assert done.returncode == (0 if verdict["right"] else 1)
+    from stepsync.core.weights import weight_faults
+
+    faults = weight_faults(deepspeed(), stage, offload, "fp32", g)  # what the rows say of this stack
+    assert wrong == sorted({k for fault in faults for k in fault.wrong_micro_batches(g)})
+    # What the engine did with a non-finite loss, as its own counters and weights showed it.
+    assert verdict["non_finite"] == ("skipped" if deepspeed_skips(stage, bf16=False) else "applied")
+    assert verdict["clip"] == default_clip()  # the config sets none; read from the engine itself
+
+
+def test_the_verdict_in_words_and_the_clip_in_force(tmp_path):
+    done = verify(tmp_path, {"zero_optimization": {"stage": 2}, "gradient_clipping": 0.5}, 2)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("DeepSpeed ") and "ZeRO-2, offload none, fp32, G=2" in lines[0]
+    assert "every micro-batch weighs 1/G: the update is right" in done.stdout
+    assert "clip norm in force: 0.5" in done.stdout
+
+
+@pytest.mark.parametrize("config, why", [
+    ({"zero_optimization": {"stage": 7}}, "cannot train this config"),
+    ([1, 2], "must hold a JSON object"),
+])
+def test_a_config_it_cannot_run_exits_2_with_why(tmp_path, config, why):
+    done = verify(tmp_path, config, 2)
+    assert done.returncode == 2 and why in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_missing_file_exits_2(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "stepsync", "verify", "--deepspeed", str(tmp_path / "none.json"),
+                           "--gas", "2"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "does not exist" in done.stderr

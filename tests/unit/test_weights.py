@@ -1,0 +1,55 @@
+"""The weight faults' rows against the stored probes (stepsync/core/weight_probes.json, made by `stepsync verify`'s
+measurement on every release listed): each row predicts exactly the micro-batches every probe found wrong, and
+nothing where a probe found the update right."""
+import pytest
+from hypothesis import given, strategies as st
+
+from stepsync.core.weights import FAULTS, probes, weight_faults
+
+ROWS = [row for row in probes() if "cannot_run" not in row]
+
+
+def predicted(row):
+    wrong = set()
+    for fault in weight_faults(row["deepspeed"], row["stage"], row["offload"] != "none", row["precision"], row["g"]):
+        wrong |= set(fault.wrong_micro_batches(row["g"]))
+    return sorted(wrong)
+
+
+def test_the_probes_cover_every_release_the_rows_name():
+    measured = {row["deepspeed"] for row in ROWS}
+    for fault in FAULTS:
+        assert {fault.first_measured, fault.last_measured, fault.fixed_in} <= measured
+        assert fault.right_before is None or fault.right_before in measured
+    assert len(ROWS) >= 300
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda r: f"{r['deepspeed']}-z{r['stage']}-{r['offload']}-"
+                                                     f"{r['precision']}-g{r['g']}")
+def test_every_probe_is_what_the_rows_predict(row):
+    assert predicted(row) == row["wrong"]
+
+
+def test_each_fault_is_bounded_by_a_probe_that_trains_right():
+    for fault in FAULTS:
+        for release in filter(None, (fault.right_before, fault.fixed_in)):
+            same = [r for r in ROWS if r["deepspeed"] == release and r["stage"] in fault.stages
+                    and (r["offload"] != "none") == fault.offload and fault.precision in (None, r["precision"])]
+            assert same and all(r["wrong"] == [] for r in same)
+
+
+@given(g=st.integers(1, 64))
+def test_the_wrong_micro_batches_of_a_window_against_a_brute_force_window(g):
+    """Each fault's rule, against the window written out micro-batch by micro-batch."""
+    for fault in FAULTS:
+        kept = {"offload-keeps-first-and-last": lambda k: k in (1, g),
+                "zero2-keeps-the-last": lambda k: k == g,
+                "bf16-zero0-divided": lambda k: False}[fault.name]
+        assert fault.wrong_micro_batches(g) == [k for k in range(1, g + 1) if not kept(k)]
+
+
+def test_the_message_names_the_micro_batches_the_fix_and_the_way_round():
+    fault = weight_faults("0.18.4", 2, True, "fp32", 4)[0]
+    text = fault.message("0.18.4", 4)
+    assert "micro-batch(es) [2, 3] of every window of 4" in text and "0.19.0" in text and "ZeRO-1 or ZeRO-3" in text
+    assert weight_faults("0.19.0", 2, True, "fp32", 4) == [] and weight_faults("0.18.4", 2, True, "fp32", 2) == []
