@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Optional
 
+from ..core.choices import Policy
+from ..core.errors import StepSyncConfigError
 from ..core.prediction import Forecast
 from ..display import render
 from ..display.output import logger
@@ -46,8 +48,11 @@ class Messages:
         if self.n is None:
             self.note("the train dataloader has no length: no forecast, and 'sync'/'drop_last' cannot plan windows")
         if self.facts.gradient_accumulation_steps not in (None, self.g):
-            self.error(f"the engine's gradient_accumulation_steps={self.facts.gradient_accumulation_steps} differs "
-                       f"from {whose_g} {self.g}: fix the DeepSpeed config (use \"auto\")")
+            text = (f"the engine's gradient_accumulation_steps={self.facts.gradient_accumulation_steps} differs "
+                    f"from {whose_g} {self.g}: fix the DeepSpeed config (use \"auto\")")
+            if self.report.policy is Policy.RAISE:
+                raise StepSyncConfigError(f"{text}; policy 'raise' stops before the first micro-batch")
+            self.error(text)
         if not self.facts.managed_accumulation:
             self.note("DeepSpeed's managed_gradient_accumulation is false: the engine updates at every step() call, "
                       "not at its own boundaries; the forecast assumes managed accumulation and will differ")

@@ -357,3 +357,17 @@ def test_the_clip_norm_in_force_is_held_against_the_one_asked(policy):
         return
     notes = start(1.0, 0.5).report.notes
     assert any("asks to clip gradients at 0.5 but the DeepSpeed engine clips at 1" in note for note in notes)
+
+
+@pytest.mark.parametrize("policy", ["warn", "raise"])
+def test_an_engine_whose_g_is_not_the_frameworks_is_named_and_raise_stops_before_the_first(policy):
+    def start():
+        return open_run(RunStart(TRAINER, Policy.parse(policy), FakeEngine(3), behaviour_of(ALIGNED), 6, 2,
+                                 ConsoleOutput(False)))[0]
+
+    if policy == "raise":
+        with pytest.raises(StepSyncConfigError, match="gradient_accumulation_steps=3 differs from .* 2.*before the "
+                                                      "first micro-batch"):
+            start()
+        return
+    assert any("gradient_accumulation_steps=3 differs" in note for note in start().report.notes)
