@@ -146,6 +146,8 @@ def verify(config: Dict[str, Any], g: int) -> Verdict:
                       str(offload), precision_of(measured), g)
     verdict.notes.append("measured with plain SGD at lr 1 in place of the config's optimizer and scheduler, one "
                          "sample per micro-batch, one process")
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)  # one process of its own: never a launcher's rank or an inherited port
     cpu_distributed_env()
     quiet = logging.getLogger("DeepSpeed")
     level = quiet.level
