@@ -1,6 +1,7 @@
 """Custom accelerate loops for the tests, recorded by the loop itself (independently of stepsync)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
@@ -70,6 +71,7 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
 
     # One process may run several loops (the tests do): accelerate keeps one shared state per process.
     AcceleratorState._reset_state(True)
+    os.environ.pop("ACCELERATE_MIXED_PRECISION", None)  # a bf16 run leaves it: the next fp32 loop would be bf16
     GradientState._reset_state()
     config = loop_deepspeed_config(gas if config_g is None else config_g, stage, bf16)
     accelerator = Accelerator(gradient_accumulation_steps=gas if code_g is None else code_g,
