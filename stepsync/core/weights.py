@@ -34,6 +34,8 @@ class WeightFault:
         right_before: the last release measured without it before it (None: none before could run it here).
         effect: what happens, in words.
         avoid: how to avoid it.
+        first_wrong, last_kept: the window's micro-batches from ``first_wrong`` (1-based) on do not weigh 1/G,
+            up to the last one, which keeps its weight where ``last_kept``.
     """
 
     name: str
@@ -47,6 +49,8 @@ class WeightFault:
     right_before: Optional[str]
     effect: str
     avoid: str
+    first_wrong: int = 1
+    last_kept: bool = False
 
     def shows(self, deepspeed: str, stage: int, offload: bool, precision: str, g: int) -> bool:
         """Whether this fault shows on this release and configuration: measured from ``first_measured`` on, and
@@ -57,11 +61,7 @@ class WeightFault:
 
     def wrong_micro_batches(self, g: int) -> List[int]:
         """The 1-based micro-batches of a window that do not weigh 1/G."""
-        if self.name == "offload-keeps-first-and-last":
-            return list(range(2, g))
-        if self.name == "zero2-keeps-the-last":
-            return list(range(1, g))
-        return list(range(1, g + 1))
+        return list(range(self.first_wrong, g if self.last_kept else g + 1))
 
     def message(self, deepspeed: str, g: int) -> str:
         wrong = self.wrong_micro_batches(g)
@@ -73,10 +73,11 @@ FAULTS = (
     WeightFault("offload-keeps-first-and-last", (2,), True, None, 3, "0.17.5", "0.18.9", "0.19.0", None,
                 "with ZeRO-2 and the optimizer offloaded to the CPU keeps only the first and the last micro-batch "
                 "of each window in the update: the ones between weigh 0",
-                "upgrade DeepSpeed to 0.19.0 or later, or use ZeRO-1 or ZeRO-3 with the same offload, or G <= 2"),
+                "upgrade DeepSpeed to 0.19.0 or later, or use ZeRO-1 or ZeRO-3 with the same offload, or G <= 2",
+                first_wrong=2, last_kept=True),
     WeightFault("zero2-keeps-the-last", (2,), False, None, 2, "0.17.6", "0.18.2", "0.18.3", "0.17.5",
                 "with ZeRO-2 keeps only the last micro-batch of each window in the update: the others weigh 0",
-                "upgrade DeepSpeed to 0.18.3 or later, or use ZeRO-1"),
+                "upgrade DeepSpeed to 0.18.3 or later, or use ZeRO-1", last_kept=True),
     WeightFault("bf16-zero0-divided", (0,), False, "bf16", 2, "0.18.3", "0.18.5", "0.18.6", "0.18.2",
                 "with ZeRO-0 in bf16 divides every gradient by 65536: each micro-batch weighs 1/(65536 G)",
                 "upgrade DeepSpeed to 0.18.6 or later, or use ZeRO-1"),

@@ -162,16 +162,25 @@ def versions_for(given: Dict[str, Optional[str]], notes: List[str]) -> Dict[str,
     return versions
 
 
+def engine_settings(config: Dict[str, Any]) -> Tuple[Optional[int], str, str]:
+    """(ZeRO stage, the optimizer's offload device or "none", "bf16" / "fp16" / "fp32") as a DeepSpeed config asks
+    them; the stage is None where the config's is not a number."""
+    zero = config.get("zero_optimization") or {}
+    zero = zero if isinstance(zero, dict) else {}
+    stage = zero.get("stage", 0)
+    offload = str((zero.get("offload_optimizer") or {}).get("device") or "none")
+    precision = next((name for name, keys in (("bf16", ("bf16", "bfloat16")), ("fp16", ("fp16",)))
+                      if any((config.get(key) or {}).get("enabled") is True for key in keys)), "fp32")
+    return (stage if isinstance(stage, int) else None), offload, precision
+
+
 def weight_faults_of(config: Optional[Dict[str, Any]], deepspeed: str, g: int) -> List[str]:
     """What the DeepSpeed release does to each micro-batch's weight under ``config`` (its ZeRO stage, offload and
     precision), as probed; nothing without a config."""
     if not isinstance(config, dict):
         return []
-    zero = config.get("zero_optimization") or {}
-    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
-    offload = isinstance(zero, dict) and (zero.get("offload_optimizer") or {}).get("device") == "cpu"
-    bf16 = (config.get("bf16") or config.get("bfloat16") or {}).get("enabled") is True
-    if not isinstance(stage, int):
+    stage, offload, precision = engine_settings(config)
+    if stage is None:
         return []
-    return [fault.message(deepspeed, g) for fault in weight_faults(deepspeed, stage, offload, "bf16" if bf16 else
-                                                                  "fp32", g)]
+    faults = weight_faults(deepspeed, stage, offload == "cpu", precision, g)
+    return [fault.message(deepspeed, g) for fault in faults]

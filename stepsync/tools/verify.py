@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from importlib.metadata import version
 from typing import Any, Dict, List, Optional
 
+from .config import engine_settings
 from .tiny_run import cpu_distributed_env
 
 # The loss is scaled this small so that no clip norm a config sets ever acts on the measured window.
@@ -88,14 +89,6 @@ def measuring_config(config: Dict[str, Any], g: int) -> Dict[str, Any]:
     return measured
 
 
-def precision_of(config: Dict[str, Any]) -> str:
-    for name in ("bf16", "fp16"):
-        section = config.get(name) or (config.get("bfloat16") if name == "bf16" else None)
-        if isinstance(section, dict) and section.get("enabled") is True:
-            return name
-    return "fp32"
-
-
 def _engine(config: Dict[str, Any], g: int):
     import deepspeed
     import torch
@@ -140,10 +133,8 @@ def verify(config: Dict[str, Any], g: int) -> Verdict:
     if g < 1:
         raise VerifyInputError(f"--gas {g}: must be >= 1")
     measured = measuring_config(config, g)
-    zero = measured.get("zero_optimization") or {}
-    offload = (zero.get("offload_optimizer") or {}).get("device", "none") if isinstance(zero, dict) else "none"
-    verdict = Verdict(version("deepspeed"), int(zero.get("stage", 0)) if isinstance(zero, dict) else 0,
-                      str(offload), precision_of(measured), g)
+    stage, offload, precision = engine_settings(measured)
+    verdict = Verdict(version("deepspeed"), stage if stage is not None else 0, offload, precision, g)
     verdict.notes.append("measured with plain SGD at lr 1 in place of the config's optimizer and scheduler, one "
                          "sample per micro-batch, one process")
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
