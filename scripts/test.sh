@@ -39,7 +39,10 @@ for stack in $stacks; do
                  tests/integration/test_support.py tests/integration/test_user_runs.py
                  tests/multiprocess/test_loops_two_processes.py tests/integration/test_skipped_updates.py
                  tests/integration/test_non_finite_updates.py tests/multiprocess/test_non_finite_on_two_ranks.py
-                 tests/integration/test_verify.py tests/integration/test_weight_faults.py) ;;
+                 tests/integration/test_verify.py tests/integration/test_weight_faults.py
+                 tests/integration/test_output_hooks.py) ;;
+    # DeepSpeed 0.18.3 divides the Trainer's loss again: the fault, its forecast and its repair by sync.
+    d183) tests=(tests/integration/test_output_hooks.py tests/integration/test_verify.py) ;;
     *) tests=(tests/unit/test_forecast.py tests/unit/test_versions.py tests/unit/test_run.py
               tests/integration/test_support.py tests/integration/test_user_runs.py
               tests/multiprocess/test_loops_two_processes.py) ;;

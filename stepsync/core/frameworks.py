@@ -48,6 +48,8 @@ class Framework:
         schedules_on_its_count: it steps the LR scheduler itself on its own count (Lightning takes DeepSpeed's
             scheduler over), so the LR moves at an update the engine skipped; elsewhere DeepSpeed steps it at the
             updates it applies.
+        backward_call: how it calls the engine's backward (:data:`stepsync.core.weights.CALLS`): "trainer" for the
+            Trainer's ``engine.backward(loss / G, scale_wrt_gas=False)``, "engine" for ``engine.backward(loss)``.
     """
 
     name: str
@@ -58,6 +60,7 @@ class Framework:
     refused: Dict[Policy, Refusal] = field(default_factory=dict, compare=False)
     remedy: Optional[str] = None
     schedules_on_its_count: bool = False
+    backward_call: str = "engine"
 
     def parse_policy(self, policy: Union[str, Policy], as_flag: bool = False) -> Policy:
         """``policy`` as a :class:`Policy`; an unknown one, or one this framework refuses, raises
@@ -70,7 +73,7 @@ class Framework:
 
 TRAINER = Framework(
     name="the Trainer", who="Trainer", counter="Trainer global_step", whose_g="the Trainer's",
-    metric_keys=("stepsync/trainer_steps", "stepsync/engine_steps", "stepsync/drift"))
+    metric_keys=("stepsync/trainer_steps", "stepsync/engine_steps", "stepsync/drift"), backward_call="trainer")
 
 LIGHTNING = Framework(
     name="Lightning", who="Lightning", counter="Lightning global_step",

@@ -3,9 +3,13 @@
 The probes (``weight_probes.json`` beside this module) are ``stepsync verify``'s own measurement run on every
 release listed, on this project's CPU machines with torch 2.13: ZeRO 0-3, the optimizer offloaded to the CPU or
 not, fp32 and bf16, G = 2, 3 and 4, one window through the engine itself, each micro-batch's weight solved from
-the parameters. A right update gives each micro-batch 1/G. The rows below name each fault found, the first and
-last release measured with it and the first measured without it; ``tests/unit/test_weights.py`` fails when the
-rows and the data disagree. Pure: no torch, no DeepSpeed.
+the parameters; and, for the releases around DeepSpeed's backward hooks (0.18.2-0.19.8), the model's output as
+the loss alone or as the loss with the logits it is computed from, backward called as a plain loop calls it
+(``engine.backward(loss)``: accelerate, Lightning, Fabric) or as the Trainer does
+(``engine.backward(loss / G, scale_wrt_gas=False)``), by ``scripts/probe_outputs.py``. A right update gives
+each micro-batch 1/G. The rows below name each fault found, the first and last release measured with it and the
+first measured without it; ``tests/unit/test_weights.py`` fails when the rows and the data disagree. Pure: no
+torch, no DeepSpeed.
 """
 from __future__ import annotations
 
@@ -17,6 +21,9 @@ from typing import List, Optional, Tuple
 from .versions import parse_version
 
 PROBES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weight_probes.json")
+# How backward is called: "engine" as plain DeepSpeed, accelerate, Lightning and Fabric do (engine.backward(loss),
+# the engine divides by G); "trainer" as transformers' Trainer does (engine.backward(loss / G, scale_wrt_gas=False)).
+CALLS = ("engine", "trainer")
 
 
 @dataclass(frozen=True)
@@ -26,7 +33,7 @@ class WeightFault:
     Attributes:
         name: a short handle.
         stages: the ZeRO stages it shows on.
-        offload: True where the optimizer is offloaded to the CPU, False where it is not.
+        offload: True where the optimizer is offloaded to the CPU, False where it is not, None for both.
         precision: "bf16" or "fp32" where it shows on one only, None for both.
         smallest_g: the smallest G it shows at.
         first_measured, last_measured: the first and last release measured with it.
@@ -36,11 +43,15 @@ class WeightFault:
         avoid: how to avoid it.
         first_wrong, last_kept: the window's micro-batches from ``first_wrong`` (1-based) on do not weigh 1/G,
             up to the last one, which keeps its weight where ``last_kept``.
+        calls: the backward calls it shows with (:data:`CALLS`).
+        through_outputs: it shows only where the loss is computed from another tensor of the model's output (a
+            transformers model's logits): known at the first forward, not before.
+        repairable: ``sync`` makes the update right from outside DeepSpeed (it undoes a division by G).
     """
 
     name: str
     stages: Tuple[int, ...]
-    offload: bool
+    offload: Optional[bool]
     precision: Optional[str]
     smallest_g: int
     first_measured: str
@@ -51,12 +62,18 @@ class WeightFault:
     avoid: str
     first_wrong: int = 1
     last_kept: bool = False
+    calls: Tuple[str, ...] = CALLS
+    through_outputs: bool = False
+    repairable: bool = False
 
-    def shows(self, deepspeed: str, stage: int, offload: bool, precision: str, g: int) -> bool:
+    def shows(self, deepspeed: str, stage: int, offload: bool, precision: str, g: int, call: str = "engine",
+              through_outputs: Optional[bool] = False) -> bool:
         """Whether this fault shows on this release and configuration: measured from ``first_measured`` on, and
-        taken to last until ``fixed_in`` (the releases between the last measured and the fix included)."""
-        return (stage in self.stages and offload == self.offload and self.precision in (None, precision)
-                and g >= self.smallest_g
+        taken to last until ``fixed_in`` (the releases between the last measured and the fix included).
+        ``through_outputs`` None: not known yet (before the first forward), so a fault that needs it may show."""
+        return (stage in self.stages and self.offload in (None, offload) and self.precision in (None, precision)
+                and g >= self.smallest_g and call in self.calls
+                and (not self.through_outputs or through_outputs is not False)
                 and parse_version(self.first_measured) <= parse_version(deepspeed) < parse_version(self.fixed_in))
 
     def wrong_micro_batches(self, g: int) -> List[int]:
@@ -81,12 +98,30 @@ FAULTS = (
     WeightFault("bf16-zero0-divided", (0,), False, "bf16", 2, "0.18.3", "0.18.5", "0.18.6", "0.18.2",
                 "with ZeRO-0 in bf16 divides every gradient by 65536: each micro-batch weighs 1/(65536 G)",
                 "upgrade DeepSpeed to 0.18.6 or later, or use ZeRO-1"),
+    WeightFault("trainer-loss-divided-again", (0, 1, 2, 3), None, None, 2, "0.18.3", "0.18.3", "0.18.4", "0.18.2",
+                "divides the Trainer's loss, already divided by G, by G again (its output hooks ignore "
+                "scale_wrt_gas=False): each micro-batch weighs 1/G^2",
+                "upgrade DeepSpeed to 0.18.4 or later (or pin 0.18.2); policy 'sync' undoes the extra division",
+                calls=("trainer",), repairable=True),
+    WeightFault("outputs-divided-again", (0, 1, 2), None, None, 2, "0.18.3", "0.19.5", "0.19.6", "0.18.2",
+                "divides the gradient by G once more for each tensor of the model's output that the loss is "
+                "computed from (a transformers model's logits): each micro-batch weighs 1/G^2 or less",
+                "upgrade DeepSpeed to 0.19.6 or later, or return the loss alone from forward (the other "
+                "tensors detached), or use ZeRO-3; policy 'sync' undoes the extra division",
+                calls=("engine",), through_outputs=True, repairable=True),
+    WeightFault("trainer-outputs-divided-again", (0, 1, 2), None, None, 2, "0.18.3", "0.18.3", "0.18.4", "0.18.2",
+                "divides the gradient by G once more for each tensor of the model's output that the loss is "
+                "computed from (a transformers model's logits), on top of the Trainer's extra division",
+                "upgrade DeepSpeed to 0.18.4 or later; policy 'sync' undoes the extra division",
+                calls=("trainer",), through_outputs=True, repairable=True),
 )
 
 
-def weight_faults(deepspeed: str, stage: int, offload: bool, precision: str, g: int) -> List[WeightFault]:
-    """The faults that show on this release and configuration, as probed."""
-    return [fault for fault in FAULTS if fault.shows(deepspeed, stage, offload, precision, g)]
+def weight_faults(deepspeed: str, stage: int, offload: bool, precision: str, g: int, call: str = "engine",
+                  through_outputs: Optional[bool] = False) -> List[WeightFault]:
+    """The faults that show on this release and configuration, as probed (``through_outputs`` None: those that
+    need the loss to be computed from another output tensor are included, to be confirmed at the first forward)."""
+    return [fault for fault in FAULTS if fault.shows(deepspeed, stage, offload, precision, g, call, through_outputs)]
 
 
 def probes() -> list:

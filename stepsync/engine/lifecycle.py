@@ -23,6 +23,7 @@ from ..core.report import LoadedCheckpoint, SyncReport
 from ..core.versions import StackBehaviour
 from ..core.weights import weight_faults
 from ..display.output import ConsoleOutput, logger
+from .outputs import watch_outputs
 from .policies import action_for
 from .resume import continue_from
 from .run import Run
@@ -116,7 +117,8 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None) -> 
     _say_the_shift(run, start.shift)
     say_the_clip(run, start.asked_clip, start.clip_fix, "before the first micro-batch")
     in_force = run.facts.gradient_accumulation_steps or run.g
-    _say_the_weight_faults(run, getattr(start.behaviour.stack, "deepspeed", None), in_force)
+    _say_the_weight_faults(run, getattr(start.behaviour.stack, "deepspeed", None), in_force,
+                           start.framework.backward_call)
     for where, asked, fix in start.asked_g:
         if asked != in_force:
             _refuse_or_warn(run, f"{where} asks gradient_accumulation_steps={asked} but the engine accumulates "
@@ -140,19 +142,30 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None) -> 
     return run, steering
 
 
-def _say_the_weight_faults(run: Run, deepspeed: Optional[str], g: int) -> None:
-    """What the installed DeepSpeed does to each micro-batch's weight in this configuration, as probed: warned,
-    or refused before the first micro-batch under raise and sync (stepsync cannot repair it from outside)."""
+def _say_the_weight_faults(run: Run, deepspeed: Optional[str], g: int, call: str) -> None:
+    """What the installed DeepSpeed does to each micro-batch's weight in this configuration, as probed: warned, or
+    refused before the first micro-batch under raise, and under sync where stepsync cannot repair it from outside.
+    The faults that need the model's output are read at its first forward (:mod:`stepsync.engine.outputs`)."""
     facts = run.facts
     if deepspeed is None or facts.zero_stage is None:
         return
-    for fault in weight_faults(deepspeed, facts.zero_stage, facts.offloads_optimizer, facts.precision, g):
+    faults = weight_faults(deepspeed, facts.zero_stage, facts.offloads_optimizer, facts.precision, g, call,
+                           through_outputs=None)
+    for fault in faults:
+        if fault.through_outputs:
+            continue
         text = fault.message(deepspeed, g)
         run.report.weight_faults.append(text)
-        if run.report.policy in (Policy.RAISE, Policy.SYNC):
-            raise StepSyncConfigError(f"{text}; policy '{run.report.policy.value}' stops before the first "
-                                      "micro-batch (stepsync cannot make these updates right from outside DeepSpeed)")
-        run.warn(text)
+        policy = run.report.policy
+        if policy is Policy.SYNC and fault.repairable:
+            run.note(f"{text}; policy 'sync' multiplies the loss's gradient by {g}, so that each micro-batch "
+                     "weighs 1/G")
+        elif policy in (Policy.RAISE, Policy.SYNC):
+            raise StepSyncConfigError(f"{text}; policy '{policy.value}' stops before the first micro-batch "
+                                      "(stepsync cannot make these updates right from outside DeepSpeed)")
+        else:
+            run.warn(text)
+    run.output_hooks = watch_outputs(run, faults, deepspeed, g)
 
 
 def _say_the_shift(run: Run, shift: Optional[ResumeShift]) -> None:

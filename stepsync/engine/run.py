@@ -67,7 +67,8 @@ class Run(UpdateOutcomes):
                  "counts_skips",
                  "last_drift", "trainer_steps_seen", "action", "engine_at_last_update", "engine_moved_in_window",
                  "facts", "behaviour", "n", "g", "output", "is_main", "plan", "epoch", "start_epoch", "skip",
-                 "done_before_epoch", "t_before_epoch", "remedy", "known_cause", "checks_every_micro_batch", "layout")
+                 "done_before_epoch", "t_before_epoch", "remedy", "known_cause", "checks_every_micro_batch", "layout",
+                 "output_hooks")
 
     def __init__(self, engine: Any, behaviour: StackBehaviour, n: Optional[int], g: int, report: SyncReport,
                  output: ConsoleOutput, action: PolicyAction, start_epoch: int = 0, skip: int = 0,
@@ -106,6 +107,7 @@ class Run(UpdateOutcomes):
         self.observing = True
         self.checks_every_micro_batch = checks_every_micro_batch
         self.layout = layout
+        self.output_hooks: Any = None  # stepsync.engine.outputs.OutputHooks, where a weight fault needs them
 
     # ------------------------------------------------------------ the policy's decisions
 
@@ -182,6 +184,8 @@ class Run(UpdateOutcomes):
         """Training ended: give the engine's boundary back and close the report. True when the engine's count
         moved after the last micro-batch (the framework loaded a checkpoint into it)."""
         self.action.end(self)
+        if self.output_hooks is not None:
+            self.output_hooks.remove()
         self._check_weights_now()
         if not self.observing:
             return False

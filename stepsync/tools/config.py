@@ -174,13 +174,21 @@ def engine_settings(config: Dict[str, Any]) -> Tuple[Optional[int], str, str]:
     return (stage if isinstance(stage, int) else None), offload, precision
 
 
-def weight_faults_of(config: Optional[Dict[str, Any]], deepspeed: str, g: int) -> List[str]:
+OUTPUT_CONDITION = ("where the model's loss is computed from another tensor of its output (as in every transformers "
+                    "model): ")
+
+
+def weight_faults_of(config: Optional[Dict[str, Any]], deepspeed: str, g: int,
+                     call: str = "trainer") -> Tuple[List[str], bool]:
     """What the DeepSpeed release does to each micro-batch's weight under ``config`` (its ZeRO stage, offload and
-    precision), as probed; nothing without a config."""
+    precision) with backward called as ``call``, as probed, and whether one of them is certain; nothing without a
+    config. A fault that needs the model's output is named with that condition (no model is run here) and is not
+    certain."""
     if not isinstance(config, dict):
-        return []
+        return [], False
     stage, offload, precision = engine_settings(config)
     if stage is None:
-        return []
-    faults = weight_faults(deepspeed, stage, offload == "cpu", precision, g)
-    return [fault.message(deepspeed, g) for fault in faults]
+        return [], False
+    faults = weight_faults(deepspeed, stage, offload == "cpu", precision, g, call, through_outputs=None)
+    said = [(OUTPUT_CONDITION if fault.through_outputs else "") + fault.message(deepspeed, g) for fault in faults]
+    return said, any(not fault.through_outputs for fault in faults)

@@ -3,8 +3,10 @@
 One real window of G micro-batches through a DeepSpeed engine built from the config (its ZeRO stage, offload,
 precision and clipping kept; its optimizer and scheduler replaced by plain SGD at lr 1, which makes the update
 exact): a linear model with one weight per micro-batch, each micro-batch a one-hot row, so each weight's move is
-that micro-batch's share of the update. A right update gives each 1/G. Then a second window with one non-finite
-loss: did the engine skip that update, or apply it? And the clip norm the engine applies.
+that micro-batch's share of the update. A right update gives each 1/G. The window runs twice: the model returning
+the loss alone, and returning it with the logits it is computed from (as every transformers model does), with
+backward called as the framework calls it (:data:`CALLS`). Then a window with one non-finite loss: did the engine
+skip that update, or apply it? And the clip norm the engine applies.
 
 Single process, on the device DeepSpeed's accelerator finds (CPU here). Needs torch and deepspeed.
 """
@@ -18,7 +20,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import version
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .config import engine_settings
 from .tiny_run import cpu_distributed_env
@@ -27,6 +29,12 @@ from .tiny_run import cpu_distributed_env
 LOSS_SCALE = 1e-3
 # How far a measured weight may be from 1/G: bf16 keeps 8 bits of mantissa.
 TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-3}
+# How each framework calls backward on the engine: a plain loop and accelerate's wrapper call engine.backward(loss)
+# (the engine divides by G); the Trainer divides the loss by G and passes scale_wrt_gas=False; Lightning's closure
+# divides the loss by G and the engine divides it again.
+CALLS = {"deepspeed": "engine", "accelerate": "engine", "trainer": "trainer", "lightning": "lightning"}
+CALLERS = {"deepspeed": "a plain DeepSpeed loop", "accelerate": "accelerate", "trainer": "the Trainer",
+           "lightning": "Lightning"}
 KEYS_REPLACED = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
                  "gradient_accumulation_steps")
 
@@ -43,8 +51,11 @@ class Verdict:
         deepspeed: the release measured.
         stage, offload, precision: what the config asks.
         g: micro-batches per update.
-        weights: each micro-batch's share of the update, in order (1/G each when right).
-        right: every weight is 1/G within the precision's tolerance.
+        framework: whose backward call was measured (:data:`CALLS`).
+        weights: each micro-batch's share of the update, in order (1/G each when right), the model returning the
+            loss alone.
+        weights_with_logits: the same, the model returning the loss with the logits it is computed from.
+        right: every weight of both is 1/G within the precision's tolerance.
         clip: the clip norm the engine applies (0: none).
         non_finite: what the engine did with a window holding a non-finite loss: "skipped" (its
             ``skipped_steps`` rose, the weights did not move), "applied" (the weights are no longer finite), or
@@ -57,19 +68,27 @@ class Verdict:
     offload: str
     precision: str
     g: int
+    framework: str = "deepspeed"
     weights: List[float] = field(default_factory=list)
+    weights_with_logits: List[float] = field(default_factory=list)
     right: bool = False
     clip: float = 0.0
     non_finite: str = ""
     notes: List[str] = field(default_factory=list)
 
-    def wrong(self) -> List[int]:
-        """1-based micro-batches whose share is not 1/G."""
-        tolerance = TOLERANCE.get(self.precision, 1e-4)
-        return [k for k, w in enumerate(self.weights, 1) if abs(w * self.g - 1) > tolerance]
+    def wrong(self, weights: Optional[List[float]] = None) -> List[int]:
+        """1-based micro-batches whose share is not 1/G (of ``weights``; the loss-alone window by default)."""
+        return wrong_micro_batches(self.weights if weights is None else weights, self.g, self.precision)
 
     def to_dict(self) -> Dict[str, Any]:
-        return {**asdict(self), "wrong_micro_batches": self.wrong()}
+        return {**asdict(self), "wrong_micro_batches": self.wrong(),
+                "wrong_micro_batches_with_logits": self.wrong(self.weights_with_logits)}
+
+
+def wrong_micro_batches(weights: List[float], g: int, precision: str) -> List[int]:
+    """1-based micro-batches whose share is not 1/G within the precision's tolerance."""
+    tolerance = TOLERANCE.get(precision, 1e-4)
+    return [k for k, w in enumerate(weights, 1) if abs(w * g - 1) > tolerance]
 
 
 def measuring_config(config: Dict[str, Any], g: int) -> Dict[str, Any]:
@@ -89,7 +108,7 @@ def measuring_config(config: Dict[str, Any], g: int) -> Dict[str, Any]:
     return measured
 
 
-def _engine(config: Dict[str, Any], g: int):
+def _engine(config: Dict[str, Any], g: int, outputs: str = "loss"):
     import deepspeed
     import torch
 
@@ -99,7 +118,9 @@ def _engine(config: Dict[str, Any], g: int):
             self.w = torch.nn.Parameter(torch.zeros(g))
 
         def forward(self, x):
-            return LOSS_SCALE * (self.w * x).sum()
+            logits = self.w * x
+            loss = LOSS_SCALE * logits.sum()
+            return {"loss": loss, "logits": logits} if outputs == "loss+logits" else loss
 
     model = OneWeightPerMicroBatch()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -114,29 +135,71 @@ def _weights(engine) -> List[float]:
         return [float(v) for v in engine.module.w.detach().float()]
 
 
-def _window(engine, g: int, nan_at: Optional[int] = None) -> None:
+def _window(engine, g: int, call: str = "engine", nan_at: Optional[int] = None) -> None:
     import torch
 
     dtype = next(engine.module.parameters()).dtype
     for k in range(g):
         x = torch.zeros(g, dtype=dtype, device=engine.device)
         x[k] = 1
-        loss = engine(x)
+        output = engine(x)
+        loss = output["loss"] if isinstance(output, dict) else output
         if k == nan_at:
             loss = loss * float("nan")
-        engine.backward(loss)
+        if call == "trainer":
+            engine.backward(loss / g, scale_wrt_gas=False)
+        elif call == "lightning":
+            engine.backward(loss / g)
+        else:
+            engine.backward(loss)
         engine.step()
 
 
-def verify(config: Dict[str, Any], g: int) -> Verdict:
-    """Measure one window of ``g`` micro-batches, then one with a non-finite loss, on the installed DeepSpeed."""
+def _shares(measured: Dict[str, Any], g: int, outputs: str, call: str):
+    """One window on a fresh engine: (the engine, each micro-batch's share of the update)."""
+    engine = _engine(measured, g, outputs)
+    before = _weights(engine)
+    _window(engine, g, call)
+    return engine, [(b - a) / LOSS_SCALE for b, a in zip(before, _weights(engine))]
+
+
+def measure_window(config: Dict[str, Any], g: int, outputs: str = "loss", call: str = "engine",
+                   precision: str = "fp32") -> Tuple[List[float], List[int]]:
+    """One window of the config on the installed DeepSpeed, for the probes: (each micro-batch's share, the 1-based
+    micro-batches whose share is not 1/G)."""
+    try:
+        _, weights = _quietly(lambda: _shares(measuring_config(config, g), g, outputs, call))
+    except VerifyInputError:
+        raise
+    except Exception as exc:
+        raise VerifyInputError(f"{type(exc).__name__}: {exc}") from exc
+    return weights, wrong_micro_batches(weights, g, precision)
+
+
+def verify(config: Dict[str, Any], g: int, framework: str = "deepspeed") -> Verdict:
+    """Measure one window of ``g`` micro-batches (the loss alone, then with its logits), then one with a
+    non-finite loss, on the installed DeepSpeed, backward called as ``framework`` calls it."""
     if g < 1:
         raise VerifyInputError(f"--gas {g}: must be >= 1")
+    if framework not in CALLS:
+        raise VerifyInputError(f"--framework {framework!r}: choose one of {', '.join(CALLS)}")
     measured = measuring_config(config, g)
     stage, offload, precision = engine_settings(measured)
-    verdict = Verdict(version("deepspeed"), stage if stage is not None else 0, offload, precision, g)
+    verdict = Verdict(version("deepspeed"), stage if stage is not None else 0, offload, precision, g, framework)
     verdict.notes.append("measured with plain SGD at lr 1 in place of the config's optimizer and scheduler, one "
                          "sample per micro-batch, one process")
+    try:
+        _quietly(lambda: _measure(verdict, measured, g, CALLS[framework]))
+    except VerifyInputError:
+        raise
+    except Exception as exc:  # DeepSpeed refuses the config: say why, never a traceback
+        raise VerifyInputError(f"DeepSpeed {verdict.deepspeed} cannot train this config on this machine: "
+                               f"{type(exc).__name__}: {exc}") from exc
+    return verdict
+
+
+def _quietly(measure: Callable[[], Any]) -> Any:
+    """Run ``measure`` as one process of its own, DeepSpeed's stdout sent to stderr."""
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(name, None)  # one process of its own: never a launcher's rank or an inherited port
     cpu_distributed_env()
@@ -149,31 +212,23 @@ def verify(config: Dict[str, Any], g: int) -> Verdict:
     stdout = os.dup(1)
     os.dup2(2, 1)
     try:
-        _measure(verdict, measured, g)
-    except VerifyInputError:
-        raise
-    except Exception as exc:  # DeepSpeed refuses the config: say why, never a traceback
-        raise VerifyInputError(f"DeepSpeed {verdict.deepspeed} cannot train this config on this machine: "
-                               f"{type(exc).__name__}: {exc}") from exc
+        return measure()
     finally:
         sys.stdout.flush()
         os.dup2(stdout, 1)
         os.close(stdout)
         quiet.setLevel(level)
-    return verdict
 
 
-def _measure(verdict: Verdict, measured: Dict[str, Any], g: int) -> None:
-    engine = _engine(measured, g)
+def _measure(verdict: Verdict, measured: Dict[str, Any], g: int, call: str) -> None:
+    _, verdict.weights_with_logits = _shares(measured, g, "loss+logits", call)
+    engine, verdict.weights = _shares(measured, g, "loss", call)
     clip = engine.gradient_clipping()
     verdict.clip = float(clip) if isinstance(clip, (int, float)) else 0.0
-    before = _weights(engine)
-    _window(engine, g)
+    verdict.right = not verdict.wrong() and not verdict.wrong(verdict.weights_with_logits)
     after = _weights(engine)
-    verdict.weights = [(b - a) / LOSS_SCALE for b, a in zip(before, after)]
-    verdict.right = not verdict.wrong()
     skipped = engine.skipped_steps
-    _window(engine, g, nan_at=0)
+    _window(engine, g, call, nan_at=0)
     last = _weights(engine)
     if engine.skipped_steps > skipped and last == after:
         verdict.non_finite = "skipped"
@@ -187,13 +242,19 @@ def explain(verdict: Verdict) -> List[str]:
     """The verdict in lines, for the console."""
     g = verdict.g
     lines = [f"DeepSpeed {verdict.deepspeed}, ZeRO-{verdict.stage}, offload {verdict.offload}, {verdict.precision}, "
-             f"G={g}: one window measured"]
-    for k, weight in enumerate(verdict.weights, 1):
-        mark = "" if k not in verdict.wrong() else "   <- not 1/G"
-        lines.append(f"  micro-batch {k}: {weight * g:.4g} x 1/{g} of the update{mark}")
-    lines.append("every micro-batch weighs 1/G: the update is right" if verdict.right else
-                 f"micro-batch(es) {verdict.wrong()} do not weigh 1/{g}: this stack and config do not train "
-                 "what the loss says")
+             f"G={g}, backward called as {CALLERS[verdict.framework]} calls it: one window measured"]
+    for title, weights in (("the model returns the loss alone", verdict.weights),
+                           ("the model returns the loss with its logits", verdict.weights_with_logits)):
+        wrong = verdict.wrong(weights)
+        lines.append(f"{title}:")
+        for k, weight in enumerate(weights, 1):
+            mark = "" if k not in wrong else "   <- not 1/G"
+            lines.append(f"  micro-batch {k}: {weight * g:.4g} x 1/{g} of the update{mark}")
+        if wrong:
+            lines.append(f"  micro-batch(es) {wrong} do not weigh 1/{g}: this stack and config do not train what "
+                         "the loss says")
+    if verdict.right:
+        lines.append("every micro-batch weighs 1/G: the update is right")
     lines.append(f"clip norm in force: {verdict.clip:g}" if verdict.clip else "clip norm in force: none")
     lines.append({"skipped": "a non-finite loss: the engine skipped that update (counted in skipped_steps)",
                   "applied": "a non-finite loss: the engine APPLIED it; the weights are no longer finite",
@@ -203,11 +264,11 @@ def explain(verdict: Verdict) -> List[str]:
     return lines
 
 
-def verify_command(config: Dict[str, Any], g: int, as_json: bool) -> int:
+def verify_command(config: Dict[str, Any], g: int, as_json: bool, framework: str = "deepspeed") -> int:
     """``stepsync verify``: the verdict printed; 0 when every micro-batch weighs 1/G, 1 when one does not, 2 for a
     config DeepSpeed cannot run here (with why, never a traceback)."""
     try:
-        verdict = verify(config, g)
+        verdict = verify(config, g, framework)
     except VerifyInputError as exc:
         print(f"stepsync: error: {exc}", file=sys.stderr)
         return 2

@@ -99,6 +99,8 @@ STACKS = (
               (Case(3, 2, 2), Case(7, 3, 2))),
     StackSpec("t500", "5.0.0", "1.7.0", "0.18.4", "2026-02-15", "5.0 with accelerate 1.7",
               (Case(3, 2, 2), Case(7, 3, 2))),
+    StackSpec("d183", "5.24.0", "1.16.0", "0.18.3", "2026-11-30", "DeepSpeed 0.18.3 divides the Trainer's loss twice",
+              (Case(3, 2, 2), Case(7, 3, 2))),
 )
 
 

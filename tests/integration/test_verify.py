@@ -54,31 +54,52 @@ def default_clip():
     return 1.0 if Version(deepspeed()) >= Version("0.19.3") else 0.0
 
 
-@pytest.mark.parametrize("stage, offload, g", [(0, False, 2), (2, False, 3), (2, True, 3), (3, True, 2)])
-def test_each_micro_batchs_weight_is_measured_against_the_run_without_deepspeed(tmp_path, stage, offload, g):
+@pytest.mark.parametrize("stage, offload, g, framework", [
+    (0, False, 2, "deepspeed"), (2, False, 3, "trainer"), (2, True, 3, "deepspeed"), (3, True, 2, "trainer"),
+    (1, False, 2, "accelerate")])
+def test_each_micro_batchs_weight_is_measured_against_the_run_without_deepspeed(tmp_path, stage, offload, g,
+                                                                                framework):
     config = offloaded(stage) if offload else {"zero_optimization": {"stage": stage}}
-    done = verify(tmp_path, config, g, "--json")
+    done = verify(tmp_path, config, g, "--json", "--framework", framework)
     verdict = json.loads(done.stdout)
     right = without_deepspeed(g)
     assert right == pytest.approx([1 / g] * g)
-    wrong = [k for k, (w, r) in enumerate(zip(verdict["weights"], right), 1) if abs(w - r) > 1e-4 * r]
-    assert verdict["wrong_micro_batches"] == wrong and verdict["right"] == (wrong == [])
-    assert done.returncode == (0 if verdict["right"] else 1)
     from stepsync.core.weights import weight_faults
 
-    faults = weight_faults(deepspeed(), stage, offload, "fp32", g)  # what the rows say of this stack
-    assert wrong == sorted({k for fault in faults for k in fault.wrong_micro_batches(g)})
+    wrong_any = set()
+    for outputs, key in (("loss", "weights"), ("loss+logits", "weights_with_logits")):
+        wrong = [k for k, (w, r) in enumerate(zip(verdict[key], right), 1) if abs(w - r) > 1e-4 * r]
+        assert verdict["wrong_" + key.replace("weights", "micro_batches")] == wrong
+        # what the rows say of this stack, for the framework's call and this output
+        faults = weight_faults(deepspeed(), stage, offload, "fp32", g, "trainer" if framework == "trainer" else
+                               "engine", outputs == "loss+logits")
+        assert wrong == sorted({k for fault in faults for k in fault.wrong_micro_batches(g)})
+        wrong_any |= set(wrong)
+    assert verdict["right"] == (not wrong_any) and done.returncode == (0 if verdict["right"] else 1)
     # What the engine did with a non-finite loss, as its own counters and weights showed it.
     assert verdict["non_finite"] == ("skipped" if deepspeed_skips(stage, bf16=False) else "applied")
     assert verdict["clip"] == default_clip()  # the config sets none; read from the engine itself
 
 
+def test_lightnings_call_weighs_each_micro_batch_1_over_g_squared(tmp_path):
+    """Lightning's closure divides the loss by G and the engine divides it again: measured, and exit 1."""
+    done = verify(tmp_path, {"zero_optimization": {"stage": 3}}, 2, "--json", "--framework", "lightning")
+    verdict = json.loads(done.stdout)
+    assert verdict["weights"] == pytest.approx([0.25, 0.25], rel=1e-4) and done.returncode == 1
+
+
 def test_the_verdict_in_words_and_the_clip_in_force(tmp_path):
-    done = verify(tmp_path, {"zero_optimization": {"stage": 2}, "gradient_clipping": 0.5}, 2)
-    assert done.returncode == 0, done.stderr
+    from stepsync.core.weights import weight_faults
+
+    done = verify(tmp_path, {"zero_optimization": {"stage": 2}, "gradient_clipping": 0.5}, 2, "--framework",
+                  "trainer")
+    right = not weight_faults(deepspeed(), 2, False, "fp32", 2, "trainer", None)
+    assert done.returncode == (0 if right else 1), done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("DeepSpeed ") and "ZeRO-2, offload none, fp32, G=2" in lines[0]
-    assert "every micro-batch weighs 1/G: the update is right" in done.stdout
+    assert "backward called as the Trainer calls it" in lines[0] and "the model returns the loss with its logits:" \
+        in lines
+    assert ("every micro-batch weighs 1/G: the update is right" in done.stdout) == right
     assert "clip norm in force: 0.5" in done.stdout
 
 

@@ -112,6 +112,27 @@ def test_check_names_the_micro_batches_a_release_drops_under_zero2_with_offload(
         assert f"micro-batch(es) {list(range(2, g))} of every window of {g}" in said[0] and "0.19.0" in said[0]
 
 
+@pytest.mark.parametrize("deepspeed, framework, said", [
+    ("0.18.3", "trainer", ["the Trainer's loss, already divided by G, by G again",
+                           "where the model's loss is computed from another tensor"]),
+    ("0.18.4", "trainer", []),  # the Trainer's scale_wrt_gas=False is honoured from 0.18.4
+    ("0.18.4", "lightning", ["where the model's loss is computed from another tensor"]),
+    ("0.19.6", "lightning", []),
+])
+def test_check_names_the_output_hook_faults_for_the_frameworks_call(tmp_path, deepspeed, framework, said):
+    config = {"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": "auto",
+              "train_micro_batch_size_per_gpu": "auto"}
+    ds = write(tmp_path, "ds.json", json.dumps(config))
+    extra = ["--framework", "lightning", "--lightning", "2.6.6"] if framework == "lightning" else [
+        "--transformers", "5.24.0", "--accelerate", "1.16.0"]
+    proc = stepsync("check", "--samples", "8", "--gas", "2", "--epochs", "1", "--deepspeed-config", ds,
+                    "--deepspeed", deepspeed, *extra, "--json")
+    notes = [note for note in json.loads(proc.stdout)["notes"] if "DeepSpeed " + deepspeed + " divides" in note]
+    assert len(notes) == len(said) and all(any(s in note for note in notes) for s in said), notes
+    if framework == "trainer":  # a fault that needs the model's output is said, not counted (no model is run)
+        assert proc.returncode == (1 if deepspeed == "0.18.3" else 0)
+
+
 @pytest.mark.reliability("bad_input")
 @pytest.mark.parametrize("args_json, ds_json, fix", [
     ("{not json", None, "is not valid JSON"),

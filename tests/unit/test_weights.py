@@ -11,7 +11,8 @@ ROWS = [row for row in probes() if "cannot_run" not in row]
 
 def predicted(row):
     wrong = set()
-    for fault in weight_faults(row["deepspeed"], row["stage"], row["offload"] != "none", row["precision"], row["g"]):
+    for fault in weight_faults(row["deepspeed"], row["stage"], row["offload"] != "none", row["precision"], row["g"],
+                               row.get("call", "engine"), row.get("outputs", "loss") == "loss+logits"):
         wrong |= set(fault.wrong_micro_batches(row["g"]))
     return sorted(wrong)
 
@@ -25,16 +26,27 @@ def test_the_probes_cover_every_release_the_rows_name():
 
 
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: f"{r['deepspeed']}-z{r['stage']}-{r['offload']}-"
-                                                     f"{r['precision']}-g{r['g']}")
+                                                     f"{r['precision']}-g{r['g']}-{r.get('call', 'engine')}-"
+                                                     f"{r.get('outputs', 'loss')}")
 def test_every_probe_is_what_the_rows_predict(row):
     assert predicted(row) == row["wrong"]
+
+
+def others_show(fault, row):
+    """Another fault shows on this probe's configuration (it would make the window wrong on its own)."""
+    return any(other.shows(row["deepspeed"], row["stage"], row["offload"] != "none", row["precision"], row["g"],
+                           row.get("call", "engine"), row.get("outputs", "loss") == "loss+logits")
+               for other in FAULTS if other is not fault)
 
 
 def test_each_fault_is_bounded_by_a_probe_that_trains_right():
     for fault in FAULTS:
         for release in filter(None, (fault.right_before, fault.fixed_in)):
             same = [r for r in ROWS if r["deepspeed"] == release and r["stage"] in fault.stages
-                    and (r["offload"] != "none") == fault.offload and fault.precision in (None, r["precision"])]
+                    and fault.offload in (None, r["offload"] != "none") and fault.precision in (None, r["precision"])
+                    and r.get("call", "engine") in fault.calls
+                    and (not fault.through_outputs or r.get("outputs") == "loss+logits")
+                    and not others_show(fault, r)]
             assert same and all(r["wrong"] == [] for r in same)
 
 
@@ -44,7 +56,8 @@ def test_the_wrong_micro_batches_of_a_window_against_a_brute_force_window(g):
     for fault in FAULTS:
         kept = {"offload-keeps-first-and-last": lambda k: k in (1, g),
                 "zero2-keeps-the-last": lambda k: k == g,
-                "bf16-zero0-divided": lambda k: False}[fault.name]
+                "bf16-zero0-divided": lambda k: False, "trainer-loss-divided-again": lambda k: False,
+                "outputs-divided-again": lambda k: False, "trainer-outputs-divided-again": lambda k: False}[fault.name]
         assert fault.wrong_micro_batches(g) == [k for k in range(1, g + 1) if not kept(k)]
 
 
@@ -53,3 +66,16 @@ def test_the_message_names_the_micro_batches_the_fix_and_the_way_round():
     text = fault.message("0.18.4", 4)
     assert "micro-batch(es) [2, 3] of every window of 4" in text and "0.19.0" in text and "ZeRO-1 or ZeRO-3" in text
     assert weight_faults("0.19.0", 2, True, "fp32", 4) == [] and weight_faults("0.18.4", 2, True, "fp32", 2) == []
+
+
+def test_the_output_faults_need_the_logits_and_the_call_that_shows_them():
+    assert [f.name for f in weight_faults("0.18.4", 0, False, "fp32", 2, "engine", True)] == ["outputs-divided-again"]
+    assert weight_faults("0.18.4", 0, False, "fp32", 2, "engine", False) == []
+    assert weight_faults("0.18.4", 0, False, "fp32", 2, "trainer", True) == []  # scale_wrt_gas=False is honoured
+    assert weight_faults("0.18.4", 3, False, "fp32", 2, "engine", True) == []  # ZeRO-3 wraps the outputs
+    assert weight_faults("0.19.6", 0, False, "fp32", 2, "engine", True) == []
+    assert [f.name for f in weight_faults("0.18.3", 3, False, "fp32", 2, "trainer", True)] == [
+        "trainer-loss-divided-again"]
+    assert {f.name for f in weight_faults("0.18.3", 1, False, "fp32", 2, "trainer", None)} == {
+        "trainer-loss-divided-again", "trainer-outputs-divided-again"}
+    assert all(f.repairable for f in weight_faults("0.18.3", 1, False, "fp32", 2, "trainer", True))
