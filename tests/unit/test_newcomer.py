@@ -34,7 +34,7 @@ def test_help_is_plain_text():
 def test_check_refuses_a_release_below_the_measured_range(version):
     proc = stepsync("check", "--samples", "3", "--gas", "2", "--transformers", version)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "older than 4.24.0" in proc.stderr and "supported: 4.24.0 to 5.24.0" in proc.stderr
+    assert "older than 4.24.0" in proc.stderr and "supported: 4.24.0 to 5.25.0" in proc.stderr
 
 
 def test_measured_means_probed_and_inferred_is_said():

@@ -136,10 +136,10 @@ def test_measured_and_inferred_releases_are_told_apart():
     inferred = behaviour_of(Stack("4.51.0", "1.6.0", "0.16.9"))
     assert not inferred.measured and "was not probed" in inferred.caveats[0]
     newer = behaviour_of(Stack("9.0.0", "1.16.0", "0.19.8"))
-    assert not newer.measured and "newer than every probed release (5.24.0)" in newer.caveats[0]
+    assert not newer.measured and "newer than every probed release (5.25.0)" in newer.caveats[0]
 
 
 @pytest.mark.parametrize("version", ["4.23.1", "4.10.0", "3.5.0"])
 def test_below_the_oldest_measured_release_is_refused(version):
-    with pytest.raises(UnsupportedVersion, match=r"older than 4\.24\.0.*supported: 4\.24\.0 to 5\.24\.0"):
+    with pytest.raises(UnsupportedVersion, match=r"older than 4\.24\.0.*supported: 4\.24\.0 to 5\.25\.0"):
         behaviour_of(Stack(version, "0.15.0", "0.14.5"))
