@@ -50,17 +50,18 @@ def merge(paths):
     stored_path = os.path.join(ROOT, "stepsync", "core", "weight_probes.json")
     with open(stored_path) as handle:
         stored = json.load(handle)
-    key = ("deepspeed", "stage", "offload", "precision", "g", "call", "outputs")
-    seen = {tuple(row.get(k, {"call": "engine", "outputs": "loss"}.get(k)) for k in key): i
-            for i, row in enumerate(stored)}
+    key = ("deepspeed", "stage", "offload", "precision", "g", "call", "outputs", "accelerate", "world_size")
+    defaults = {"call": "engine", "outputs": "loss", "world_size": 1}
+    seen = {tuple(row.get(k, defaults.get(k)) for k in key): i for i, row in enumerate(stored)}
     for path in paths:
         with open(path) as handle:
             for row in json.load(handle):
-                index = seen.get(tuple(row[k] for k in key))
-                if index is None:
-                    stored.append(row)
+                found = tuple(row.get(k, defaults.get(k)) for k in key)
+                if found in seen:
+                    stored[seen[found]] = row
                 else:
-                    stored[index] = row
+                    seen[found] = len(stored)
+                    stored.append(row)
     with open(stored_path, "w") as handle:  # one row a line, as stored
         handle.write("[\n" + ",\n".join(json.dumps(row) for row in stored) + "\n]\n")
 

@@ -49,7 +49,8 @@ class Framework:
             scheduler over), so the LR moves at an update the engine skipped; elsewhere DeepSpeed steps it at the
             updates it applies.
         backward_call: how it calls the engine's backward (:data:`stepsync.core.weights.CALLS`): "trainer" for the
-            Trainer's ``engine.backward(loss / G, scale_wrt_gas=False)``, "engine" for ``engine.backward(loss)``.
+            Trainer's ``engine.backward(loss / G, scale_wrt_gas=False)``, "accelerate" for ``engine.backward(loss)``
+            inside accelerate's ``accumulate()``, "engine" for ``engine.backward(loss)``.
     """
 
     name: str
@@ -85,7 +86,7 @@ LIGHTNING = Framework(
 
 ACCELERATE_LOOP = Framework(
     name="your loop", who="your loop", counter="loop updates", whose_g="the accelerator's",
-    metric_keys=("stepsync/loop_steps", "stepsync/engine_steps", "stepsync/drift"),
+    metric_keys=("stepsync/loop_steps", "stepsync/engine_steps", "stepsync/drift"), backward_call="accelerate",
     refused={Policy.REALIGN: Refusal("cannot change your loop's own counter", (Policy.SYNC,),
                                      "keep policy 'warn' and adopt watch.report.engine_steps"),
              Policy.DROP_LAST: Refusal("cannot end your dataloader's epochs early", (Policy.SYNC,),

@@ -136,7 +136,7 @@ class SyncReport:
 
     def __str__(self) -> str:
         """A few readable lines (``print(callback.report)``); ``repr`` keeps every field."""
-        if not self.active and not self.events and not self.finished:
+        if not self.active and not self.events and not self.epochs and self.forecast is None:  # never watched
             return f"stepsync report (policy '{self.policy.value}'): not active{': ' if self.inactive_reason else ''}" \
                    f"{self.inactive_reason}"
         lines = [f"stepsync report (policy '{self.policy.value}'): {self.counter} {self.trainer_steps} updates, engine "

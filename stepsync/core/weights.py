@@ -21,9 +21,10 @@ from typing import List, Optional, Tuple
 from .versions import parse_version
 
 PROBES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weight_probes.json")
-# How backward is called: "engine" as plain DeepSpeed, accelerate, Lightning and Fabric do (engine.backward(loss),
-# the engine divides by G); "trainer" as transformers' Trainer does (engine.backward(loss / G, scale_wrt_gas=False)).
-CALLS = ("engine", "trainer")
+# How backward is called: "engine" as plain DeepSpeed, Lightning and Fabric do (engine.backward(loss), the engine
+# divides by G); "accelerate" the same, inside accelerate's accumulate(); "trainer" as transformers' Trainer does
+# (engine.backward(loss / G, scale_wrt_gas=False)).
+CALLS = ("engine", "accelerate", "trainer")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ class WeightFault:
         through_outputs: it shows only where the loss is computed from another tensor of the model's output (a
             transformers model's logits): known at the first forward, not before.
         repairable: ``sync`` makes the update right from outside DeepSpeed (it undoes a division by G).
+        accelerate: (the first accelerate release measured with it, the first measured without it after it) where
+            it needs accelerate too; None where it does not.
+        smallest_world: the fewest data-parallel ranks it shows on.
     """
 
     name: str
@@ -65,16 +69,19 @@ class WeightFault:
     calls: Tuple[str, ...] = CALLS
     through_outputs: bool = False
     repairable: bool = False
+    accelerate: Optional[Tuple[str, str]] = None
+    smallest_world: int = 1
 
     def shows(self, deepspeed: str, stage: int, offload: bool, precision: str, g: int, call: str = "engine",
-              through_outputs: Optional[bool] = False) -> bool:
+              through_outputs: Optional[bool] = False, accelerate: Optional[str] = None, world_size: int = 1) -> bool:
         """Whether this fault shows on this release and configuration: measured from ``first_measured`` on, and
         taken to last until ``fixed_in`` (the releases between the last measured and the fix included).
         ``through_outputs`` None: not known yet (before the first forward), so a fault that needs it may show."""
         return (stage in self.stages and self.offload in (None, offload) and self.precision in (None, precision)
-                and g >= self.smallest_g and call in self.calls
+                and g >= self.smallest_g and call in self.calls and world_size >= self.smallest_world
                 and (not self.through_outputs or through_outputs is not False)
-                and parse_version(self.first_measured) <= parse_version(deepspeed) < parse_version(self.fixed_in))
+                and _within(deepspeed, self.first_measured, self.fixed_in)
+                and (self.accelerate is None or (accelerate is not None and _within(accelerate, *self.accelerate))))
 
     def wrong_micro_batches(self, g: int) -> List[int]:
         """The 1-based micro-batches of a window that do not weigh 1/G."""
@@ -84,6 +91,10 @@ class WeightFault:
         wrong = self.wrong_micro_batches(g)
         return (f"DeepSpeed {deepspeed} {self.effect} (micro-batch(es) {wrong} of every window of {g}; measured on "
                 f"{self.first_measured} to {self.last_measured}, right again on {self.fixed_in}): {self.avoid}")
+
+
+def _within(release: str, first: str, fixed: str) -> bool:
+    return parse_version(first) <= parse_version(release) < parse_version(fixed)
 
 
 FAULTS = (
@@ -108,20 +119,28 @@ FAULTS = (
                 "computed from (a transformers model's logits): each micro-batch weighs 1/G^2 or less",
                 "upgrade DeepSpeed to 0.19.6 or later, or return the loss alone from forward (the other "
                 "tensors detached), or use ZeRO-3; policy 'sync' undoes the extra division",
-                calls=("engine",), through_outputs=True, repairable=True),
+                calls=("engine", "accelerate"), through_outputs=True, repairable=True),
     WeightFault("trainer-outputs-divided-again", (0, 1, 2), None, None, 2, "0.18.3", "0.18.3", "0.18.4", "0.18.2",
                 "divides the gradient by G once more for each tensor of the model's output that the loss is "
                 "computed from (a transformers model's logits), on top of the Trainer's extra division",
                 "upgrade DeepSpeed to 0.18.4 or later; policy 'sync' undoes the extra division",
                 calls=("trainer",), through_outputs=True, repairable=True),
+    WeightFault("accelerate-no-sync-undivided", (0, 1), False, None, 2, "0.16.2", "0.18.2", "0.18.3", "0.15.4",
+                "inside accelerate's accumulate() on several ranks (accelerate 1.8.0 - 1.12.x enters the engine's "
+                "no_sync()) leaves the micro-batches before the last of each window undivided by G: each weighs "
+                "1 in place of 1/G",
+                "upgrade accelerate to 1.13.0 or later, or DeepSpeed to 0.18.3 or later",
+                last_kept=True, calls=("accelerate",), accelerate=("1.8.0", "1.13.0"), smallest_world=2),
 )
 
 
 def weight_faults(deepspeed: str, stage: int, offload: bool, precision: str, g: int, call: str = "engine",
-                  through_outputs: Optional[bool] = False) -> List[WeightFault]:
+                  through_outputs: Optional[bool] = False, accelerate: Optional[str] = None,
+                  world_size: int = 1) -> List[WeightFault]:
     """The faults that show on this release and configuration, as probed (``through_outputs`` None: those that
     need the loss to be computed from another output tensor are included, to be confirmed at the first forward)."""
-    return [fault for fault in FAULTS if fault.shows(deepspeed, stage, offload, precision, g, call, through_outputs)]
+    return [fault for fault in FAULTS
+            if fault.shows(deepspeed, stage, offload, precision, g, call, through_outputs, accelerate, world_size)]
 
 
 def probes() -> list:

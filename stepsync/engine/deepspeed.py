@@ -50,8 +50,8 @@ class EngineFacts:
         gradient_clipping: the clip norm the engine applies (0: none; None if it does not say).
         unchecked_gradients: why the engine applies a gradient that is not finite instead of skipping its update
             (it checks none in this precision), or "" where it checks them.
-        zero_stage, offloads_optimizer, precision: what the weight faults of a release depend on (None, False,
-            "fp32" where the engine does not say).
+        zero_stage, offloads_optimizer, precision, data_parallel_size: what the weight faults of a release depend
+            on (None, False, "fp32", 1 where the engine does not say).
     """
 
     gradient_accumulation_steps: Optional[int]
@@ -65,6 +65,11 @@ class EngineFacts:
     zero_stage: Optional[int] = None
     offloads_optimizer: bool = False
     precision: str = "fp32"
+    data_parallel_size: int = 1
+
+
+def _whole(value: Any) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _asked(engine: Any, name: str) -> Any:
@@ -94,7 +99,8 @@ def engine_facts(engine: Any) -> EngineFacts:
                        zero_stage=stage if isinstance(stage, int) else None,
                        offloads_optimizer=bool(_asked(engine, "zero_cpu_offload")),
                        precision="bf16" if _asked(engine, "bfloat16_enabled") else
-                       "fp16" if _asked(engine, "fp16_enabled") else "fp32")
+                       "fp16" if _asked(engine, "fp16_enabled") else "fp32",
+                       data_parallel_size=_whole(getattr(engine, "dp_world_size", None)) or 1)
 
 
 def _unchecked_gradients(engine: Any) -> str:

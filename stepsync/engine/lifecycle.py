@@ -117,8 +117,7 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None) -> 
     _say_the_shift(run, start.shift)
     say_the_clip(run, start.asked_clip, start.clip_fix, "before the first micro-batch")
     in_force = run.facts.gradient_accumulation_steps or run.g
-    _say_the_weight_faults(run, getattr(start.behaviour.stack, "deepspeed", None), in_force,
-                           start.framework.backward_call)
+    _say_the_weight_faults(run, start.behaviour.stack, in_force, start.framework.backward_call)
     for where, asked, fix in start.asked_g:
         if asked != in_force:
             _refuse_or_warn(run, f"{where} asks gradient_accumulation_steps={asked} but the engine accumulates "
@@ -142,15 +141,17 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None) -> 
     return run, steering
 
 
-def _say_the_weight_faults(run: Run, deepspeed: Optional[str], g: int, call: str) -> None:
+def _say_the_weight_faults(run: Run, stack: Any, g: int, call: str) -> None:
     """What the installed DeepSpeed does to each micro-batch's weight in this configuration, as probed: warned, or
     refused before the first micro-batch under raise, and under sync where stepsync cannot repair it from outside.
     The faults that need the model's output are read at its first forward (:mod:`stepsync.engine.outputs`)."""
     facts = run.facts
+    deepspeed = getattr(stack, "deepspeed", None)
     if deepspeed is None or facts.zero_stage is None:
         return
     faults = weight_faults(deepspeed, facts.zero_stage, facts.offloads_optimizer, facts.precision, g, call,
-                           through_outputs=None)
+                           through_outputs=None, accelerate=getattr(stack, "accelerate", None),
+                           world_size=facts.data_parallel_size)
     for fault in faults:
         if fault.through_outputs:
             continue

@@ -101,6 +101,8 @@ STACKS = (
               (Case(3, 2, 2), Case(7, 3, 2))),
     StackSpec("d183", "5.24.0", "1.16.0", "0.18.3", "2026-11-30", "DeepSpeed 0.18.3 divides the Trainer's loss twice",
               (Case(3, 2, 2), Case(7, 3, 2))),
+    StackSpec("a18", "4.57.6", "1.8.0", "0.18.2", "2026-01-31", "accelerate 1.8's no_sync on DeepSpeed 0.18.2",
+              (Case(3, 2, 2), Case(7, 3, 2))),
 )
 
 

@@ -371,3 +371,14 @@ def test_an_engine_whose_g_is_not_the_frameworks_is_named_and_raise_stops_before
             start()
         return
     assert any("gradient_accumulation_steps=3 differs" in note for note in start().report.notes)
+
+
+def test_a_run_never_watched_says_why_not_counts_it_never_read():
+    """The report of a run without DeepSpeed, after training: why it was not watched, never "0 updates"."""
+    from stepsync.core.frameworks import TRAINER
+    from stepsync.engine.lifecycle import idle_report
+
+    report = idle_report(TRAINER, Policy.WARN, "the Trainer does not use DeepSpeed: nothing to check", speaks=False)
+    report.finished = True
+    assert str(report) == ("stepsync report (policy 'warn'): not active: the Trainer does not use DeepSpeed: nothing "
+                           "to check")

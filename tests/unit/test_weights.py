@@ -9,10 +9,15 @@ from stepsync.core.weights import FAULTS, probes, weight_faults
 ROWS = [row for row in probes() if "cannot_run" not in row]
 
 
+def setting(row):
+    """A probe's configuration, as weight_faults() takes it after the DeepSpeed release."""
+    return (row["stage"], row["offload"] != "none", row["precision"], row["g"], row.get("call", "engine"),
+            row.get("outputs", "loss") == "loss+logits", row.get("accelerate"), row.get("world_size", 1))
+
+
 def predicted(row):
     wrong = set()
-    for fault in weight_faults(row["deepspeed"], row["stage"], row["offload"] != "none", row["precision"], row["g"],
-                               row.get("call", "engine"), row.get("outputs", "loss") == "loss+logits"):
+    for fault in weight_faults(row["deepspeed"], *setting(row)):
         wrong |= set(fault.wrong_micro_batches(row["g"]))
     return sorted(wrong)
 
@@ -34,18 +39,13 @@ def test_every_probe_is_what_the_rows_predict(row):
 
 def others_show(fault, row):
     """Another fault shows on this probe's configuration (it would make the window wrong on its own)."""
-    return any(other.shows(row["deepspeed"], row["stage"], row["offload"] != "none", row["precision"], row["g"],
-                           row.get("call", "engine"), row.get("outputs", "loss") == "loss+logits")
-               for other in FAULTS if other is not fault)
+    return any(other.shows(row["deepspeed"], *setting(row)) for other in FAULTS if other is not fault)
 
 
 def test_each_fault_is_bounded_by_a_probe_that_trains_right():
     for fault in FAULTS:
         for release in filter(None, (fault.right_before, fault.fixed_in)):
-            same = [r for r in ROWS if r["deepspeed"] == release and r["stage"] in fault.stages
-                    and fault.offload in (None, r["offload"] != "none") and fault.precision in (None, r["precision"])
-                    and r.get("call", "engine") in fault.calls
-                    and (not fault.through_outputs or r.get("outputs") == "loss+logits")
+            same = [r for r in ROWS if r["deepspeed"] == release and fault.shows(fault.first_measured, *setting(r))
                     and not others_show(fault, r)]
             assert same and all(r["wrong"] == [] for r in same)
 
@@ -57,7 +57,8 @@ def test_the_wrong_micro_batches_of_a_window_against_a_brute_force_window(g):
         kept = {"offload-keeps-first-and-last": lambda k: k in (1, g),
                 "zero2-keeps-the-last": lambda k: k == g,
                 "bf16-zero0-divided": lambda k: False, "trainer-loss-divided-again": lambda k: False,
-                "outputs-divided-again": lambda k: False, "trainer-outputs-divided-again": lambda k: False}[fault.name]
+                "outputs-divided-again": lambda k: False, "trainer-outputs-divided-again": lambda k: False,
+                "accelerate-no-sync-undivided": lambda k: k == g}[fault.name]
         assert fault.wrong_micro_batches(g) == [k for k in range(1, g + 1) if not kept(k)]
 
 
@@ -79,3 +80,15 @@ def test_the_output_faults_need_the_logits_and_the_call_that_shows_them():
     assert {f.name for f in weight_faults("0.18.3", 1, False, "fp32", 2, "trainer", None)} == {
         "trainer-loss-divided-again", "trainer-outputs-divided-again"}
     assert all(f.repairable for f in weight_faults("0.18.3", 1, False, "fp32", 2, "trainer", True))
+
+
+def test_the_no_sync_fault_needs_accelerate_1_8_to_1_12_and_two_ranks():
+    def names(deepspeed, accelerate, world, stage=1, call="accelerate"):
+        return [f.name for f in weight_faults(deepspeed, stage, False, "fp32", 3, call, False, accelerate, world)]
+
+    assert names("0.18.2", "1.8.0", 2) == names("0.16.2", "1.12.0", 4) == ["accelerate-no-sync-undivided"]
+    assert names("0.18.2", "1.8.0", 1) == names("0.18.2", "1.13.0", 2) == names("0.18.2", "1.7.0", 2) == []
+    assert names("0.18.3", "1.8.0", 2) == names("0.15.4", "1.8.0", 2) == names("0.18.2", None, 2) == []
+    assert names("0.18.2", "1.8.0", 2, call="engine") == names("0.18.2", "1.8.0", 2, call="trainer") == []
+    assert weight_faults("0.18.2", 1, False, "fp32", 3, "accelerate", False, "1.8.0", 2)[0].wrong_micro_batches(3) \
+        == [1, 2]

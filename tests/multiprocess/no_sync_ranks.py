@@ -1,0 +1,70 @@
+"""Run under `torchrun --nproc_per_node 2`: accelerate loops of the linear model (one weight per sample, plain SGD
+at lr 1, rank r trains samples r*G .. r*G+G-1) through `accelerate.accumulate()`, without stepsync and with it under
+warn and raise; each rank writes each micro-batch's share of the update (times 2G: 1 is right) and what stepsync
+said to OUT/rank-R.json."""
+import os
+import sys
+
+from harness.runs import dump, end_process_group
+
+G, SCALE = 3, 1e-3
+
+
+def loop(policy):
+    from stepsync.tools.tiny_run import cpu_distributed_env
+
+    cpu_distributed_env()
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DeepSpeedPlugin
+
+    import stepsync
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": G,
+              "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}
+    accelerator = Accelerator(gradient_accumulation_steps=G, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+
+    class Linear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(2 * G))
+
+        def forward(self, x):
+            return {"loss": SCALE * (self.w * x).sum()}
+
+    model = Linear()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    rank, error, watch = dist.get_rank(), None, None
+    try:
+        watch = stepsync.watch(accelerator, policy, console=False) if policy else None
+        for k in range(G):
+            x = torch.zeros(2 * G)
+            x[rank * G + k] = 1
+            with accelerator.accumulate(model):
+                accelerator.backward(model(x)["loss"])
+                optimizer.step()
+                optimizer.zero_grad()
+    except Exception as exc:  # asserted on
+        error = type(exc).__name__
+    finally:
+        if watch is not None:
+            watch.close()
+    with deepspeed.zero.GatheredParameters([model.module.w]):
+        shares = [round(-float(v) / SCALE * 2 * G, 4) for v in model.module.w.detach()]
+    return {"shares": shares, "error": error, "weight_faults": watch.report.weight_faults if watch else None}
+
+
+
+def main(out_dir):
+    results = {str(policy): loop(policy) for policy in (None, "warn", "raise")}
+    dump(os.path.join(out_dir, f"rank-{os.environ['RANK']}.json"), results)
+    end_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
