@@ -6,11 +6,14 @@ transformers >= 4.41 keeps the record in ``trainer_state.json`` (``stateful_call
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import tempfile
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
+from . import rules
 from .events import DriftEvent
 from .relayout import Layout, ResumeShift, position, resume_shift
 from .versions import PlannedSteps
@@ -18,6 +21,7 @@ from .versions import PlannedSteps
 RECORD_FILE = "stepsync_state.json"
 TRAINER_STATE = "trainer_state.json"
 CALLBACK_NAME = "StepSyncCallback"
+_RNG_STATE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
 
 
 @dataclass(frozen=True)
@@ -187,3 +191,72 @@ def write_json(path: str, data: dict) -> None:
         if os.path.exists(partial):
             os.unlink(partial)
         raise
+
+
+def rng_state_ranks(entries: List[str]) -> Set[int]:
+    """The processes whose RNG state the Trainer saved in a checkpoint folder (``rng_state.pth`` from one process,
+    ``rng_state_R.pth`` from each of several), from the folder's file names."""
+    found = [m.group(1) for m in map(_RNG_STATE.match, entries) if m]
+    return {int(rank) if rank is not None else 0 for rank in found}
+
+
+def record_from_files(folder: str, global_step: int, resumed: Layout,
+                      planned: PlannedSteps) -> Tuple[Optional[ResumeRecord], str]:
+    """For a checkpoint saved without stepsync's record: (what its record would hold, how its layout was read), or
+    (None, why not) where its files do not show a layout other than ``resumed``'s.
+
+    The processes come from its ``rng_state`` files, the per-device batch from its ``trainer_state.json``, G from the
+    same file's ``max_steps``, ``num_train_epochs`` and ``epoch`` where one G alone fits them (else the resuming
+    run's, said); the dataset is the resuming run's, and the saved run is taken to stand where the Trainer's own
+    arithmetic places its ``global_step`` on its layout."""
+    try:
+        ranks = rng_state_ranks(os.listdir(folder))
+        with open(os.path.join(folder, TRAINER_STATE)) as handle:
+            state = json.load(handle)
+        batch = state.get("train_batch_size")
+    except (OSError, ValueError, AttributeError):
+        return None, f"{folder}: no stepsync record, and its files do not show the layout it was saved on"
+    if not ranks:
+        return None, f"{folder}: no stepsync record and no rng_state file: the layout it was saved on is unknown"
+    world = max(ranks) + 1
+    batch = batch if isinstance(batch, int) and batch > 0 else resumed.per_device_batch
+    unknown_g = Layout(world, batch, 1, resumed.examples, resumed.zero_stage)
+    fitting = [g for g in range(1, unknown_g.micro_batches_per_epoch + 1)
+               if _fits(state, unknown_g.micro_batches_per_epoch, g, global_step, planned)]
+    g = fitting[0] if len(fitting) == 1 else resumed.gradient_accumulation_steps
+    how_g = "G from its max_steps and epoch" if len(fitting) == 1 else "G taken as this run's"
+    if (world, batch, g) == (resumed.world_size, resumed.per_device_batch, resumed.gradient_accumulation_steps):
+        return None, ""
+    saved = Layout(world, batch, g, resumed.examples, resumed.zero_stage)
+    epoch, updates = _placed(saved.micro_batches_per_epoch, g, global_step, planned)
+    record = ResumeRecord("", global_step, global_step, None, epoch, updates * g, world_size=world,
+                          per_device_batch=batch, gradient_accumulation_steps=g, examples=saved.examples,
+                          zero_stage=saved.zero_stage)
+    return record, (f"no stepsync record in the checkpoint: {world} rank(s) read from its rng_state files, batch "
+                    f"{batch} from its trainer_state.json, {how_g}")
+
+
+def _placed(micro_batches: int, g: int, global_step: int, planned: PlannedSteps) -> Tuple[int, int]:
+    """(0-based epoch, updates done in it) where the Trainer's arithmetic places ``global_step``."""
+    per_epoch = rules.planned_updates_per_epoch(planned.value, micro_batches, g)
+    return divmod(global_step, per_epoch) if per_epoch else (0, 0)
+
+
+def _fits(state: Dict[str, Any], micro_batches: int, g: int, global_step: int, planned: PlannedSteps) -> bool:
+    """Whether a run of ``micro_batches`` per epoch with this G would have written ``state``: its planned
+    ``max_steps`` and the fractional ``epoch`` the Trainer keeps at the save and logs at each logged update."""
+    epochs, max_steps = state.get("num_train_epochs"), state.get("max_steps")
+    per_epoch = rules.planned_updates_per_epoch(planned.value, micro_batches, g)
+    if not (isinstance(epochs, (int, float)) and isinstance(max_steps, int) and per_epoch):
+        return False
+    if max_steps != math.ceil(per_epoch * epochs):
+        return False
+    logged = [(entry.get("step"), entry.get("epoch")) for entry in state.get("log_history") or []
+              if isinstance(entry, dict)] + [(global_step, state.get("epoch"))]
+    for step, epoch_logged in logged:
+        if not isinstance(step, int) or not isinstance(epoch_logged, (int, float)):
+            continue
+        epoch, updates = divmod(step, per_epoch)
+        if abs(epoch_logged - (epoch + min(updates * g, micro_batches) / micro_batches)) > 1e-6:
+            return False
+    return True

@@ -69,6 +69,8 @@ class ResumeShift:
         lands: (0-based epoch, sample position) where the Trainer resumes on the new layout.
         skipped, repeated: per 1-based epoch, samples never trained and trained twice.
         fixes: layouts on as many ranks that land exactly, each said as the change to make.
+        read_from_files: how the saved layout was learnt where the checkpoint holds no stepsync record ("" where
+            the record kept it).
     """
 
     saved: Layout
@@ -79,6 +81,7 @@ class ResumeShift:
     skipped: Dict[int, int] = field(default_factory=dict)
     repeated: Dict[int, int] = field(default_factory=dict)
     fixes: List[str] = field(default_factory=list)
+    read_from_files: str = ""
 
     @property
     def exact(self) -> bool:
@@ -98,15 +101,18 @@ class ResumeShift:
         fix = ("; resume with " + ", or ".join(self.fixes)) if self.fixes else (
             f"; no layout on {self.resumed.world_size} rank(s) lands there (the Trainer places a resume by whole "
             "updates of the new layout): resume on the saved layout, or accept the shift")
-        return (f"checkpoint saved on {self.saved.describe()}, resumed on {self.resumed.describe()}: the Trainer "
-                f"places the resume at epoch {self.lands[0] + 1}, sample {self.lands[1]} of its order, while the run "
-                f"stood at epoch {self.stood[0] + 1}, sample {self.stood[1]}; it will {' and '.join(what)}{fix}")
+        source = f" ({self.read_from_files})" if self.read_from_files else ""
+        return (f"checkpoint saved on {self.saved.describe()}{source}, resumed on {self.resumed.describe()}: the "
+                f"Trainer places the resume at epoch {self.lands[0] + 1}, sample {self.lands[1]} of its order, while "
+                f"the run stood at epoch {self.stood[0] + 1}, sample {self.stood[1]}; it will "
+                f"{' and '.join(what)}{fix}")
 
     def to_dict(self) -> dict:
         return {"saved": asdict(self.saved), "resumed": asdict(self.resumed), "global_step": self.global_step,
                 "stood": list(self.stood), "lands": list(self.lands),
                 "skipped": {str(k): v for k, v in self.skipped.items()},
-                "repeated": {str(k): v for k, v in self.repeated.items()}, "fixes": list(self.fixes)}
+                "repeated": {str(k): v for k, v in self.repeated.items()}, "fixes": list(self.fixes),
+                "read_from_files": self.read_from_files}
 
 
 def _per_epoch(counts: Dict[int, int]) -> str:

@@ -16,7 +16,7 @@ from typing import List, Optional
 
 from ..core import record as checkpoint
 from ..core.errors import AuditInputError
-from ..core.record import ResumeRecord
+from ..core.record import ResumeRecord, rng_state_ranks
 from .archives import archive_problem, int_in_pickle
 
 _TAG = re.compile(r"^global_step(\d+)$")
@@ -24,7 +24,6 @@ _TAG = re.compile(r"^global_step(\d+)$")
 # model-parallel rank (ZeRO-3), optimizer states per data-parallel rank (ZeRO >= 1; bf16_ for the bf16 optimizer).
 _MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 _OPTIM_STATES = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-_RNG_STATE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
 
 
 @dataclass
@@ -194,7 +193,7 @@ def _read_deepspeed(audit: CheckpointAudit, entries: List[str], verify_data: boo
 def _without_latest(audit: CheckpointAudit, entries: List[str], verify_data: bool) -> None:
     """No ``latest``: a node's own folder (DeepSpeed writes ``latest`` on global rank 0 only), or a save that
     did not finish. The drift is still read from the one ``global_stepM/``."""
-    ranks = _rng_ranks(entries)
+    ranks = rng_state_ranks(entries)
     audit.node_local = bool(ranks) and 0 not in ranks
     if len(audit.tag_folders) > 1:
         audit.problems.append(f"{audit.name} has several global_step folders and no 'latest' file: DeepSpeed cannot "
@@ -224,12 +223,6 @@ def _compare_steps(audit: CheckpointAudit) -> None:
             "a resume inherits it: resume with StepSyncCallback(policy='realign') or use policy='sync' from the start")
 
 
-def _rng_ranks(entries: List[str]) -> set:
-    """The processes whose RNG state the Trainer saved here (every rank saves its own, into its node's dir)."""
-    found = [m.group(1) for m in map(_RNG_STATE.match, entries) if m]
-    return {int(rank) if rank is not None else 0 for rank in found}
-
-
 def _read_tag_folder(audit: CheckpointAudit, entries: List[str], verify_data: bool) -> None:
     """Every file DeepSpeed will read from ``global_stepM/`` is there and whole."""
     tag = f"global_step{audit.deepspeed_step}"
@@ -247,7 +240,7 @@ def _read_tag_folder(audit: CheckpointAudit, entries: List[str], verify_data: bo
         stage = 3 if any(m.group(1) is not None for m in model) else 1
     # The data-parallel ranks whose files a resume needs: those that saved here (their RNG files), else the
     # world size the files recorded, else every rank a file names.
-    ranks = _rng_ranks(entries)
+    ranks = rng_state_ranks(entries)
     world = next((v for v in (int_in_pickle(path, "dp_world_size") for path in readable) if v), None)
     named = {int(m.group(1)) for m in model + optim if m.group(1) is not None}
     audit.zero_stage, audit.saved_world_size = stage, world or (len(named) if named else None)

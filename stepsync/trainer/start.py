@@ -10,6 +10,7 @@ from ..core.choices import Policy
 from ..core.errors import StepSyncConfigError
 from ..core.frameworks import TRAINER
 from ..core.plan import RunPlan, resume_position
+from ..core.record import record_from_files
 from ..core.versions import StackBehaviour
 from ..display.output import ConsoleOutput
 from ..engine.deepspeed import spread_across_ranks
@@ -38,11 +39,17 @@ def start_run(trainer: Any, args: Any, state: Any, engine: Any, train_dataloader
     then on switches it off). The plan a policy lowers is set in ``state``."""
     n = length_of(train_dataloader) or None
     g = args.gradient_accumulation_steps
-    record, record_problem = trainer_facts.saved_record(state, trainer_facts.resume_checkpoint(trainer))
+    folder = trainer_facts.resume_checkpoint(trainer)
+    record, record_problem = trainer_facts.saved_record(state, folder)
     examples = trainer_facts.examples_of(trainer, train_dataloader)
     layout = trainer_facts.layout_of(args, engine, examples)
-    shift = None if record is None or layout is None else record.resume_on(
+    saved, read_from_files = record, ""
+    if (record is None or record.layout is None) and folder and state.global_step > 0 and layout is not None:
+        saved, read_from_files = record_from_files(folder, state.global_step, layout, behaviour.planned_steps)
+    shift = None if saved is None or layout is None else saved.resume_on(
         layout, state.global_step, behaviour.planned_steps, math.ceil(args.num_train_epochs))
+    if shift is not None and saved is not record:
+        shift.read_from_files = read_from_files
     resume_steps = None
     if record is not None and record.resume_steps == state.global_step != record.trainer_steps:
         # The checkpoint holds the data position's count for the Trainer's resume; restore the real one.

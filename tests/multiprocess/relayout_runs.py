@@ -64,18 +64,18 @@ def main(out, name, samples, gas, epochs, policy, checkpoint=None):
         def on_log(self, args, state, control, logs=None, **kwargs):
             logged.append([logs.get("stepsync/samples_skipped"), logs.get("stepsync/samples_repeated")])
 
-    callback = StepSyncCallback(policy, console=False)
+    callback = StepSyncCallback(policy, console=False) if policy != "none" else None  # "none": saved without it
     result = run_tiny(os.path.join(out, name), samples, gas, epochs, callback=callback, trainer_class=Recording,
                       extra_callbacks=[Logs()],
                       train_dataset=Indexed(samples), save_strategy="steps", save_steps=1,
                       resume_from_checkpoint=checkpoint, deepspeed=config)
-    report = callback.report
+    report = callback.report if callback is not None else None
     rank = int(os.environ.get("RANK", 0))
     with open(os.path.join(out, f"{name}-{rank}.json"), "w") as handle:
         json.dump({"trained": trained, "error": type(result.error).__name__ if result.error else None,
                    "error_message": str(result.error) if result.error else None,
-                   "shift": report.resume_shift.to_dict() if report.resume_shift else None,
-                   "global_step": result.trainer.state.global_step, "report": report.to_dict(),
+                   "shift": report.resume_shift.to_dict() if report and report.resume_shift else None,
+                   "global_step": result.trainer.state.global_step, "report": report.to_dict() if report else None,
                    "logged": logged}, handle)
 
 

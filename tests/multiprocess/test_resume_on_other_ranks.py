@@ -138,3 +138,31 @@ def test_a_universal_copy_of_zero2_resumes_on_two_ranks_with_the_data_said(zero2
     assert all(rank["error"] is None for rank in resumed)
     assert truth(saved, resumed, 4, 12, 3) == expected
     assert all(said(rank) == expected for rank in resumed)
+
+
+@pytest.fixture(scope="module")
+def bare(tmp_path_factory):
+    """The same runs saved without stepsync: no record in any checkpoint."""
+    out = tmp_path_factory.mktemp("relayout-bare")
+    return out, {"one": launch(out, "one", 1, 12, 4, 3, policy="none"),
+                 "two": launch(out, "two", 2, 10, 3, 3, policy="none")}
+
+
+@pytest.mark.parametrize("name, world, gas, base, samples, step, expected", [
+    ("one-to-two-at-an-epoch-end", 2, 4, "one", 12, 6, ({3: 12}, {})),
+    ("two-to-one-inside-an-epoch", 1, 3, "two", 10, 3, ({}, {1: 1, 2: 6})),
+    ("one-to-two-with-the-fix", 2, 2, "one", 12, 4, ({}, {})),  # G changed: read from the checkpoint, not assumed
+])
+def test_a_checkpoint_saved_without_stepsync_is_read_from_its_files(bare, name, world, gas, base, samples, step,
+                                                                    expected):
+    """No record: the saved layout comes from the checkpoint's files (rng_state files, trainer_state.json), and
+    what stepsync says equals what every rank trained, as with a record."""
+    out, runs = bare
+    resumed = launch(out, name, world, samples, gas, 3, checkpoint=str(out / base / f"checkpoint-{step}"))
+    assert all(rank["error"] is None for rank in resumed)
+    assert truth(runs[base], resumed, step, samples, 3) == expected
+    assert all(said(rank) == expected for rank in resumed)
+    if expected != ({}, {}):
+        shift = resumed[0]["report"]["resume_shift"]
+        assert "rng_state files" in shift["read_from_files"] and "G from its max_steps and epoch" in \
+            shift["read_from_files"]

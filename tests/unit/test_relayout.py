@@ -118,3 +118,50 @@ def test_the_report_carries_the_shift_and_never_calls_it_aligned():
     screen = io.StringIO()
     Console(file=screen, width=80).print(summary_view(report))
     assert "skip 12 sample(s)" in " ".join(screen.getvalue().split()) and "aligned" not in screen.getvalue()
+
+
+def _checkpoint(tmp_path, ranks, state):
+    import json
+
+    for name in ranks:
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "trainer_state.json").write_text(json.dumps(state))
+    return str(tmp_path)
+
+
+def test_a_checkpoint_without_a_record_gives_its_layout_from_its_files(tmp_path):
+    """Saved on 2 ranks, batch 1, G=3, 10 samples (5 micro-batches a rank, 2 updates an epoch), at step 3."""
+    from stepsync.core.record import record_from_files
+    from stepsync.core.relayout import Layout
+    from stepsync.core.versions import PlannedSteps
+
+    folder = _checkpoint(tmp_path, ["rng_state_0.pth", "rng_state_1.pth"],
+                         {"global_step": 3, "epoch": 1.6, "max_steps": 6, "num_train_epochs": 3,
+                          "train_batch_size": 1, "log_history": [{"step": 1, "epoch": 0.6, "loss": 1.0}]})
+    record, how = record_from_files(folder, 3, Layout(1, 1, 6, 10), PlannedSteps.CEIL)
+    assert (record.world_size, record.per_device_batch, record.gradient_accumulation_steps) == (2, 1, 3)
+    assert (record.next_epoch, record.next_skip) == (1, 3) and "G from its max_steps and epoch" in how
+    # The same layout as the resuming run's: nothing to compare.
+    assert record_from_files(folder, 3, Layout(2, 1, 3, 10), PlannedSteps.CEIL) == (None, "")
+
+
+def test_g_is_the_runs_where_the_files_fit_several_and_said_so(tmp_path):
+    from stepsync.core.record import record_from_files
+    from stepsync.core.relayout import Layout
+    from stepsync.core.versions import PlannedSteps
+
+    # 12 micro-batches, 3 updates an epoch, saved at an epoch end: G=4 and G=5 both fit.
+    folder = _checkpoint(tmp_path, ["rng_state.pth"], {"global_step": 6, "epoch": 2.0, "max_steps": 9,
+                                                       "num_train_epochs": 3, "train_batch_size": 1})
+    record, how = record_from_files(folder, 6, Layout(2, 1, 4, 12), PlannedSteps.CEIL)
+    assert record.world_size == 1 and record.gradient_accumulation_steps == 4 and "G taken as this run's" in how
+
+
+def test_no_rng_state_file_no_layout(tmp_path):
+    from stepsync.core.record import record_from_files
+    from stepsync.core.relayout import Layout
+    from stepsync.core.versions import PlannedSteps
+
+    folder = _checkpoint(tmp_path, [], {"global_step": 6})
+    record, why = record_from_files(folder, 6, Layout(2, 1, 4, 12), PlannedSteps.CEIL)
+    assert record is None and "no rng_state file" in why
