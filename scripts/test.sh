@@ -42,7 +42,8 @@ for stack in $stacks; do
                  tests/integration/test_verify.py tests/integration/test_weight_faults.py
                  tests/integration/test_output_hooks.py) ;;
     # DeepSpeed 0.18.3 divides the Trainer's loss again: the fault, its forecast and its repair by sync.
-    d183) tests=(tests/integration/test_output_hooks.py tests/integration/test_verify.py) ;;
+    d183) tests=(tests/integration/test_support.py tests/integration/test_output_hooks.py
+                 tests/integration/test_verify.py) ;;
     # accelerate 1.8 enters DeepSpeed 0.18.2's no_sync(): micro-batches left undivided on several ranks.
     a18) tests=(tests/integration/test_support.py tests/multiprocess/test_no_sync_on_two_ranks.py) ;;
     *) tests=(tests/unit/test_forecast.py tests/unit/test_versions.py tests/unit/test_run.py

@@ -28,6 +28,8 @@ EXPECTED_DRIFT = {
     "t457": (1, ["PARTIAL_WINDOW"]),
     "t457f": (0, []),
     "t500": (1, ["PARTIAL_WINDOW"]),
+    "d183": (0, []),
+    "a18": (0, []),
 }
 
 
