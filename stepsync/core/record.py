@@ -170,7 +170,7 @@ def read_json(path: str, what: str = "file") -> dict:
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read {what} {path!r}: {exc}") from None
     except ValueError as exc:
-        raise ValueError(f"{what} {path!r} is not valid JSON ({exc}): fix or delete the file") from None
+        raise ValueError(f"{what} {path!r} is not valid JSON ({exc}): fix it, or restore it from a copy") from None
     if not isinstance(data, dict):
         raise ValueError(f"{what} {path!r} must hold a JSON object, not {type(data).__name__}")
     return data

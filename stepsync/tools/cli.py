@@ -20,13 +20,14 @@ from ..core.record import TRAINER_STATE, load_record, read_json
 from ..core.relayout import Layout
 from ..core.versions import MEASURED_TRANSFORMERS, Stack, behaviour_of, installed_version
 from ..display.render import audit_view, forecast_view
+from .arguments import policy_name, positive_epochs, positive_int
 from .audit import audit_output_dir
 from .config import deepspeed_config_of, from_training_args, resolve, versions_for, weight_faults_of
 from .demo import run_demo
 from .resume_audit import resume_on
 from .verify import CALLS, verify_command
 
-EXIT_ALIGNED, EXIT_DRIFTS, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_ALIGNED, EXIT_DRIFTS, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_CLOSED_PIPE = 0, 1, 2, 130, 141  # SIGINT, SIGPIPE
 POLICIES = ", ".join(p.value for p in Policy)
 DESCRIPTION = """Keep transformers' Trainer and the DeepSpeed engine agreeing on the optimizer step count.
 
@@ -40,33 +41,6 @@ commands:
 exit status: 0 aligned or consistent, 1 drift, an early end or a mismatch, 2 bad input."""
 INSTALL_TRAINING = ("pip install torch==2.13.0 (the CPU build; any torch your project uses), then "
                     "pip install 'stepsync[trainer]' (or: bash scripts/demo.sh, which builds its own environment)")
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
-
-
-def _epochs(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"--epochs must be > 0, got {text}")
-    return value
-
-
-def _policy(text: str) -> Policy:
-    try:
-        return Policy.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,16 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
                "example: stepsync check --samples 1000 --training-args args.json --deepspeed-config ds.json",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     size = check.add_mutually_exclusive_group()
-    size.add_argument("--samples", type=_positive, help="training set length")
-    size.add_argument("--micro-batches-per-epoch", dest="micro_batches", type=_positive,
+    size.add_argument("--samples", type=positive_int, help="training set length")
+    size.add_argument("--micro-batches-per-epoch", dest="micro_batches", type=positive_int,
                       help="len(train_dataloader) on one rank")
-    check.add_argument("--batch-size", type=_positive, help="per-device batch size (default 1)")
-    check.add_argument("--world-size", type=_positive, help="number of ranks (default 1)")
-    check.add_argument("--gas", type=_positive, help="gradient_accumulation_steps")
-    check.add_argument("--epochs", type=_epochs, help="num_train_epochs (default 1)")
-    check.add_argument("--max-steps", type=_positive, help="max_steps (overrides --epochs)")
+    check.add_argument("--batch-size", type=positive_int, help="per-device batch size (default 1)")
+    check.add_argument("--world-size", type=positive_int, help="number of ranks (default 1)")
+    check.add_argument("--gas", type=positive_int, help="gradient_accumulation_steps")
+    check.add_argument("--epochs", type=positive_epochs, help="num_train_epochs (default 1)")
+    check.add_argument("--max-steps", type=positive_int, help="max_steps (overrides --epochs)")
     check.add_argument("--drop-last", action="store_true", default=None, help="dataloader_drop_last=True")
-    check.add_argument("--policy", type=_policy, default=Policy.WARN, help=f"one of {POLICIES}")
+    check.add_argument("--policy", type=policy_name, default=Policy.WARN, help=f"one of {POLICIES}")
     check.add_argument("--training-args", metavar="FILE", help="a TrainingArguments JSON (args.to_json_string())")
     check.add_argument("--deepspeed-config", metavar="FILE",
                        help="DeepSpeed's JSON ('auto' resolved as the Trainer does)")
@@ -123,12 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--quick", action="store_true",
                          help="check each DeepSpeed file's structure, not every tensor's checksum (which reads "
                               "every byte of the checkpoint)")
-    inspect.add_argument("--world-size", type=_positive, default=None,
+    inspect.add_argument("--world-size", type=positive_int, default=None,
                          help="say whether each checkpoint resumes on this many data-parallel ranks: DeepSpeed's "
                               "refusal and its fix, and the samples the Trainer would skip or train twice")
-    inspect.add_argument("--batch-size", type=_positive, default=None,
+    inspect.add_argument("--batch-size", type=positive_int, default=None,
                          help="with --world-size: the resume's per-device batch (default: as saved)")
-    inspect.add_argument("--gas", type=_positive, default=None,
+    inspect.add_argument("--gas", type=positive_int, default=None,
                          help="with --world-size: the resume's gradient_accumulation_steps (default: as saved)")
     verify = commands.add_parser(
         "verify", help="measure what the installed DeepSpeed does with your config",
@@ -138,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example: stepsync verify --deepspeed ds_config.json --gas 4 --json",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     verify.add_argument("--deepspeed", metavar="FILE", required=True, help="your DeepSpeed JSON config")
-    verify.add_argument("--gas", type=_positive, required=True, help="gradient_accumulation_steps")
+    verify.add_argument("--gas", type=positive_int, required=True, help="gradient_accumulation_steps")
     verify.add_argument("--framework", choices=tuple(CALLS), default="deepspeed",
                         help="call backward as this framework does (default: a plain DeepSpeed loop)")
     verify.add_argument("--json", action="store_true", help="print one JSON object")
@@ -147,17 +121,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="A tiny GPT-2 built from a config, trained by the real Trainer and DeepSpeed on CPU.",
         epilog="example: stepsync demo --compare\nexample: stepsync demo --policy realign --samples 5 --gas 2",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    demo.add_argument("--policy", type=_policy, default=Policy.WARN, help=f"one of {POLICIES}")
+    demo.add_argument("--policy", type=policy_name, default=Policy.WARN, help=f"one of {POLICIES}")
     demo.add_argument("--compare", action="store_true", help="run without stepsync and with 'sync', side by side")
-    demo.add_argument("--samples", type=_positive, default=3, help="micro-batches per epoch (default 3)")
-    demo.add_argument("--gas", type=_positive, default=2, help="gradient_accumulation_steps (default 2)")
-    demo.add_argument("--epochs", type=_positive, default=2, help="epochs (default 2)")
+    demo.add_argument("--samples", type=positive_int, default=3, help="micro-batches per epoch (default 3)")
+    demo.add_argument("--gas", type=positive_int, default=2, help="gradient_accumulation_steps (default 2)")
+    demo.add_argument("--epochs", type=positive_int, default=2, help="epochs (default 2)")
     demo.add_argument("--framework", choices=("trainer", "lightning"), default="trainer",
                       help="the Trainer (default) or PyTorch Lightning (warn, then sync; its own process)")
     return parser
 
 
 def run_check(args) -> int:
+    if args.lightning and args.framework != "lightning":
+        raise ValueError(f"--lightning {args.lightning} describes a Lightning run: add --framework lightning")
     training, deepspeed = None, None
     if args.training_args:
         data = read_json(args.training_args, "--training-args")
@@ -208,8 +184,7 @@ def run_check(args) -> int:
 
 
 def resume_of(folder: str, inputs, behaviour):
-    """The shift of a resume of checkpoint ``folder`` on the layout ``inputs`` describe (ValueError with the fix
-    when the folder has no stepsync record that keeps its layout)."""
+    """The shift of resuming checkpoint ``folder`` on ``inputs``' layout (ValueError naming the fix if no record)."""
     record = load_record(folder)
     if record is None or record.layout is None or record.examples is None:
         raise ValueError(f"{folder!r} holds no stepsync record with the layout it was saved on: pass a checkpoint-N "
@@ -251,6 +226,7 @@ def run_verify(args) -> int:
 
 def run_lightning_demo(args) -> int:
     """The Lightning demo runs in a process of its own: this command line never imports Lightning."""
+    remedy = LIGHTNING.parse_policy(Policy.SYNC if args.policy is Policy.WARN else args.policy, as_flag=True)
     missing = [p for p in ("torch", "lightning", "deepspeed") if installed_version(p) is None]
     if missing:
         print(f"stepsync: error: stepsync demo --framework lightning needs {', '.join(missing)}: pip install "
@@ -258,7 +234,7 @@ def run_lightning_demo(args) -> int:
               "--framework lightning)", file=sys.stderr)
         return EXIT_BAD_INPUT
     return subprocess.call([sys.executable, "-m", "stepsync.tools.demo_lightning", "--samples", str(args.samples),
-                            "--gas", str(args.gas), "--epochs", str(args.epochs)])
+                            "--gas", str(args.gas), "--epochs", str(args.epochs), "--policy", remedy.value])
 
 
 def version_line() -> str:
@@ -290,6 +266,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"stepsync: error: a package stepsync needs is missing ({exc}): pip install . (or pip install "
               "stepsync)", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except BrokenPipeError:  # the reader closed the pipe (`| head`): end quietly, as a shell tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush must not fail too
+        return EXIT_CLOSED_PIPE
+    except KeyboardInterrupt:  # Ctrl-C ends quietly too
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -56,8 +56,16 @@ def _number(value: Any, name: str, source: str, minimum: float, integer: bool = 
     return int(value) if integer else float(value)
 
 
+# Keys of a DeepSpeed config that TrainingArguments never has.
+DEEPSPEED_ONLY_KEYS = ("zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size", "gradient_clipping")
+
+
 def from_training_args(data: Dict[str, Any], source: str) -> Dict[str, Any]:
     """The values stepsync needs from a ``TrainingArguments`` JSON (``args.to_json_string()``)."""
+    deepspeed_keys = [key for key in DEEPSPEED_ONLY_KEYS if key in data]
+    if deepspeed_keys:
+        raise ConfigInputError(f"{source} is a DeepSpeed config (it has {deepspeed_keys[0]}), not TrainingArguments: "
+                               "pass it as --deepspeed-config")
     found: Dict[str, Any] = {}
     for field, name in _TRAINING_ARGS.items():
         if field not in data or data[field] is None:

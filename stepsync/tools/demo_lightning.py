@@ -1,11 +1,11 @@
 """``stepsync demo --framework lightning``: the drift and its fix on a real Lightning + DeepSpeed run on CPU.
 
-    python -m stepsync.tools.demo_lightning [--samples N] [--gas G] [--epochs E] [--stage S]
+    python -m stepsync.tools.demo_lightning [--samples N] [--gas G] [--epochs E] [--stage S] [--policy P]
 
-The run of policy ``warn`` first (the run as it is), then ``sync``: both counts after every batch, then what each
-update trained, read from the parameters of a model with one weight per sample (stepsync/tools/tiny_lightning.py;
-on a CPU, Lightning's one device check is lifted there). The command line runs it in a process of its own, so
-that ``stepsync`` itself never imports Lightning.
+The run of policy ``warn`` first (the run as it is), then the remedy (``sync`` by default, or ``drop_last``): both
+counts after every batch, then what each update trained, read from the parameters of a model with one weight per
+sample (stepsync/tools/tiny_lightning.py; on a CPU, Lightning's one device check is lifted there). The command
+line runs it in a process of its own, so that ``stepsync`` itself never imports Lightning.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..core.choices import Policy
+from ..core.frameworks import LIGHTNING
 from ..core.versions import installed_version
 from ..lightning import StepSyncCallback
 from .tiny_lightning import fit_tiny
@@ -47,7 +48,9 @@ def main(argv=None) -> int:
     parser.add_argument("--gas", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--stage", type=int, default=0, choices=(0, 1, 2, 3))
+    parser.add_argument("--policy", default="sync", help="the remedy shown after warn (sync or drop_last)")
     args = parser.parse_args(argv)
+    remedy = LIGHTNING.parse_policy(args.policy, as_flag=True)
     warnings.filterwarnings("ignore")
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "stepsync", "DeepSpeed"):
         logging.getLogger(name).setLevel(logging.ERROR)  # the tables below say it
@@ -61,7 +64,7 @@ def main(argv=None) -> int:
     import torch
 
     finals = []
-    for policy in (Policy.WARN, Policy.SYNC):
+    for policy in dict.fromkeys((Policy.WARN, remedy)):
         callback = StepSyncCallback(policy, console=False)
         rows: List[tuple] = []
         updates: List[dict] = []

@@ -212,3 +212,39 @@ def test_check_of_a_lightning_configuration_imports_neither_lightning_nor_torch(
             "if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "[]", done.stderr
+
+
+def test_a_closed_pipe_ends_quietly():
+    """`stepsync check ... --json | head`: the reader goes away; no BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "stepsync", "check", "--samples", "7", "--gas", "3", "--epochs",
+                             "20000", "--transformers", "5.24.0", "--accelerate", "1.7.0", "--deepspeed", "0.19.8",
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(10)
+    proc.stdout.close()  # as `head -c 10` does
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in stderr and "BrokenPipeError" not in stderr
+
+
+@pytest.mark.reliability("bad_input")
+def test_a_deepspeed_config_given_as_training_args_is_named_for_what_it_is(tmp_path):
+    ds = write(tmp_path, "ds.json", json.dumps({"train_micro_batch_size_per_gpu": "auto",
+                                                 "gradient_accumulation_steps": "auto",
+                                                 "zero_optimization": {"stage": 2}}))
+    proc = stepsync("check", "--samples", "8", "--training-args", ds)
+    assert proc.returncode == 2 and "is a DeepSpeed config" in proc.stderr and "--deepspeed-config" in proc.stderr
+    assert "must be a whole number" not in proc.stderr
+
+
+@pytest.mark.reliability("bad_input")
+def test_a_lightning_version_without_the_lightning_framework_is_refused():
+    proc = stepsync("check", "--samples", "3", "--gas", "2", "--lightning", "2.6.6")
+    assert proc.returncode == 2 and "add --framework lightning" in proc.stderr
+
+
+@pytest.mark.reliability("bad_input")
+def test_the_lightning_demo_refuses_a_policy_lightning_cannot_have():
+    proc = stepsync("demo", "--framework", "lightning", "--policy", "realign")
+    assert proc.returncode == 2 and "use --policy sync or --policy drop_last" in proc.stderr

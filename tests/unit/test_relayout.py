@@ -1,5 +1,6 @@
 """The arithmetic of a resume on another layout against a brute-force simulation of accelerate's sharding and the
 Trainer's skip, on the plans that changed across releases (floor before 4.52, ceil after)."""
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -165,3 +166,14 @@ def test_no_rng_state_file_no_layout(tmp_path):
     folder = _checkpoint(tmp_path, [], {"global_step": 6})
     record, why = record_from_files(folder, 6, Layout(2, 1, 4, 12), PlannedSteps.CEIL)
     assert record is None and "no rng_state file" in why
+
+
+def test_a_truncated_json_file_is_never_said_to_be_deleted(tmp_path):
+    """A checkpoint's trainer_state.json cut short: deleting it would make the checkpoint unresumable."""
+    from stepsync.core.record import read_json
+
+    path = tmp_path / "trainer_state.json"
+    path.write_text('{"global_step": 4, "log_hist')
+    with pytest.raises(ValueError) as raised:
+        read_json(str(path), "trainer_state.json")
+    assert "restore it from a copy" in str(raised.value) and "delete" not in str(raised.value)
