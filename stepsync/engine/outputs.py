@@ -98,9 +98,12 @@ class OutputHooks:
             return  # evaluation (no graph), or an output without a loss: nothing is divided here
         if self.first:
             self.first = False
-            self._say(computed_from(loss, others))
-            if not self.repairs or not (self.repair_loss or self.repair_others):
-                self.remove()
+            try:
+                self._say(computed_from(loss, others))
+            finally:  # a stop under raise leaves no hook behind (a notebook may train the model again)
+                if not (self.repairs and (self.repair_loss or self.repair_others)):
+                    self.remove()
+            if self.handle is None:
                 return
         g = self.g
         for tensor in ([loss] if self.repair_loss else []) + (others if self.repair_others else []):

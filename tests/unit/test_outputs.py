@@ -114,3 +114,16 @@ def test_a_loss_alone_is_not_named():
 def test_nothing_is_hooked_where_no_fault_needs_the_output():
     run = FakeRun(Engine(Linear()), Policy.SYNC)
     assert watch_outputs(run, weight_faults("0.19.8", 0, False, "fp32", G, "engine", None), "0.19.8", G) is None
+
+
+def test_a_stop_under_raise_leaves_no_hook_behind():
+    """Training the same model again after the stop (a notebook) divides as DeepSpeed does, nothing more."""
+    module = Linear()
+    engine = Engine(module)
+    run = FakeRun(engine, Policy.RAISE)
+    hooks = watch_outputs(run, weight_faults("0.18.4", 0, False, "fp32", G, "engine", None), "0.18.4", G)
+    with pytest.raises(StepSyncConfigError):
+        engine(torch.ones(3))
+    assert hooks.handle is None
+    engine(torch.ones(3))["loss"].backward()
+    assert module.w.grad.tolist() == [0.25] * 3
