@@ -25,7 +25,7 @@ from .audit import audit_output_dir
 from .config import deepspeed_config_of, from_training_args, resolve, versions_for, weight_faults_of
 from .demo import run_demo
 from .resume_audit import resume_on
-from .verify import CALLS, verify_command
+from .verify import FRAMEWORK_CALLS, verify_command
 
 EXIT_ALIGNED, EXIT_DRIFTS, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_CLOSED_PIPE = 0, 1, 2, 130, 141  # SIGINT, SIGPIPE
 POLICIES = ", ".join(p.value for p in Policy)
@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     verify.add_argument("--deepspeed", metavar="FILE", required=True, help="your DeepSpeed JSON config")
     verify.add_argument("--gas", type=positive_int, required=True, help="gradient_accumulation_steps")
-    verify.add_argument("--framework", choices=tuple(CALLS), default="deepspeed",
+    verify.add_argument("--framework", choices=tuple(FRAMEWORK_CALLS), default="deepspeed",
                         help="call backward as this framework does (default: a plain DeepSpeed loop)")
     verify.add_argument("--json", action="store_true", help="print one JSON object")
     demo = commands.add_parser(

@@ -5,8 +5,8 @@ precision and clipping kept; its optimizer and scheduler replaced by plain SGD a
 exact): a linear model with one weight per micro-batch, each micro-batch a one-hot row, so each weight's move is
 that micro-batch's share of the update. A right update gives each 1/G. The window runs twice: the model returning
 the loss alone, and returning it with the logits it is computed from (as every transformers model does), with
-backward called as the framework calls it (:data:`CALLS`). Then a window with one non-finite loss: did the engine
-skip that update, or apply it? And the clip norm the engine applies.
+backward called as the framework calls it (:data:`FRAMEWORK_CALLS`). Then a window with one non-finite loss: did
+the engine skip that update, or apply it? And the clip norm the engine applies.
 
 Single process, on the device DeepSpeed's accelerator finds (CPU here). Needs torch and deepspeed.
 """
@@ -29,12 +29,11 @@ from .tiny_run import cpu_distributed_env
 LOSS_SCALE = 1e-3
 # How far a measured weight may be from 1/G: bf16 keeps 8 bits of mantissa.
 TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-3}
-# How each framework calls backward on the engine: a plain loop and accelerate's wrapper call engine.backward(loss)
-# (the engine divides by G); the Trainer divides the loss by G and passes scale_wrt_gas=False; Lightning's closure
-# divides the loss by G and the engine divides it again.
-CALLS = {"deepspeed": "engine", "accelerate": "engine", "trainer": "trainer", "lightning": "lightning"}
-CALLERS = {"deepspeed": "a plain DeepSpeed loop", "accelerate": "accelerate", "trainer": "the Trainer",
-           "lightning": "Lightning"}
+# How each framework calls backward on the engine, and its name in words: a plain loop and accelerate's wrapper call
+# engine.backward(loss) (the engine divides by G); the Trainer divides the loss by G and passes scale_wrt_gas=False;
+# Lightning's closure divides the loss by G and the engine divides it again.
+FRAMEWORK_CALLS = {"deepspeed": ("engine", "a plain DeepSpeed loop"), "accelerate": ("engine", "accelerate"),
+                   "trainer": ("trainer", "the Trainer"), "lightning": ("lightning", "Lightning")}
 KEYS_REPLACED = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
                  "gradient_accumulation_steps")
 
@@ -51,7 +50,7 @@ class Verdict:
         deepspeed: the release measured.
         stage, offload, precision: what the config asks.
         g: micro-batches per update.
-        framework: whose backward call was measured (:data:`CALLS`).
+        framework: whose backward call was measured (:data:`FRAMEWORK_CALLS`).
         weights: each micro-batch's share of the update, in order (1/G each when right), the model returning the
             loss alone.
         weights_with_logits: the same, the model returning the loss with the logits it is computed from.
@@ -181,15 +180,15 @@ def verify(config: Dict[str, Any], g: int, framework: str = "deepspeed") -> Verd
     non-finite loss, on the installed DeepSpeed, backward called as ``framework`` calls it."""
     if g < 1:
         raise VerifyInputError(f"--gas {g}: must be >= 1")
-    if framework not in CALLS:
-        raise VerifyInputError(f"--framework {framework!r}: choose one of {', '.join(CALLS)}")
+    if framework not in FRAMEWORK_CALLS:
+        raise VerifyInputError(f"--framework {framework!r}: choose one of {', '.join(FRAMEWORK_CALLS)}")
     measured = measuring_config(config, g)
     stage, offload, precision = engine_settings(measured)
     verdict = Verdict(version("deepspeed"), stage if stage is not None else 0, offload, precision, g, framework)
     verdict.notes.append("measured with plain SGD at lr 1 in place of the config's optimizer and scheduler, one "
                          "sample per micro-batch, one process")
     try:
-        _quietly(lambda: _measure(verdict, measured, g, CALLS[framework]))
+        _quietly(lambda: _measure(verdict, measured, g, FRAMEWORK_CALLS[framework][0]))
     except VerifyInputError:
         raise
     except Exception as exc:  # DeepSpeed refuses the config: say why, never a traceback
@@ -242,7 +241,7 @@ def explain(verdict: Verdict) -> List[str]:
     """The verdict in lines, for the console."""
     g = verdict.g
     lines = [f"DeepSpeed {verdict.deepspeed}, ZeRO-{verdict.stage}, offload {verdict.offload}, {verdict.precision}, "
-             f"G={g}, backward called as {CALLERS[verdict.framework]} calls it: one window measured"]
+             f"G={g}, backward called as {FRAMEWORK_CALLS[verdict.framework][1]} calls it: one window measured"]
     for title, weights in (("the model returns the loss alone", verdict.weights),
                            ("the model returns the loss with its logits", verdict.weights_with_logits)):
         wrong = verdict.wrong(weights)
