@@ -48,7 +48,7 @@ for stack in $stacks; do
     a18) tests=(tests/integration/test_support.py tests/multiprocess/test_no_sync_on_two_ranks.py) ;;
     *) tests=(tests/unit/test_forecast.py tests/unit/test_versions.py tests/unit/test_run.py
               tests/integration/test_support.py tests/integration/test_user_runs.py
-              tests/multiprocess/test_loops_two_processes.py) ;;
+              tests/multiprocess/test_loops_two_processes.py tests/integration/test_without_deepspeed.py) ;;
   esac
   # Each DeepSpeed release compiles its CPU op once, into ~/.cache/stepsync/deepspeed-VERSION
   # (stepsync.tools.tiny_run.cpu_distributed_env): stacks with the same release share it, others never do.

@@ -45,6 +45,7 @@ class DriftEvent:
     remedy: str
     where: str
     counter: str = "Trainer global_step"
+    updates: str = "DeepSpeed engine global_steps"
 
     @property
     def drift(self) -> int:
@@ -53,7 +54,7 @@ class DriftEvent:
     def message(self) -> str:
         return (
             f"step drift {self.drift:+d} at epoch {self.epoch}, micro-batch {self.micro_batch} ({self.where}): "
-            f"{self.counter}={self.trainer_steps}, DeepSpeed engine global_steps={self.engine_steps}; "
+            f"{self.counter}={self.trainer_steps}, {self.updates}={self.engine_steps}; "
             f"cause: {self.cause.value}; remedy: {self.remedy}"
         )
 

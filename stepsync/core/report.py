@@ -87,6 +87,8 @@ class SyncReport:
             probed (:mod:`stepsync.core.weights`), said before the first micro-batch.
         non_finite: where the weights were first found not finite after an update the engine applied
             (:class:`NonFiniteUpdate`); None while they are finite or where the engine checks its gradients.
+        updater: who makes the updates ``engine_steps`` counts: ``"engine"`` (DeepSpeed's ``global_steps``) or
+            ``"optimizer"`` (its steps, in a run without DeepSpeed).
     """
 
     policy: Policy
@@ -114,6 +116,7 @@ class SyncReport:
     skipped_updates: List[SkippedUpdate] = field(default_factory=list)
     non_finite: Optional[NonFiniteUpdate] = None
     weight_faults: List[str] = field(default_factory=list)
+    updater: str = "engine"
 
     @property
     def counter(self) -> str:
@@ -139,8 +142,8 @@ class SyncReport:
         if not self.active and not self.events and not self.epochs and self.forecast is None:  # never watched
             return f"stepsync report (policy '{self.policy.value}'): not active{': ' if self.inactive_reason else ''}" \
                    f"{self.inactive_reason}"
-        lines = [f"stepsync report (policy '{self.policy.value}'): {self.counter} {self.trainer_steps} updates, engine "
-                 f"{self.engine_steps} (drift {self.drift:+d}"
+        lines = [f"stepsync report (policy '{self.policy.value}'): {self.counter} {self.trainer_steps} updates, "
+                 f"{self.updater} {self.engine_steps} (drift {self.drift:+d}"
                  + (f", {self.inherited_drift:+d} inherited)" if self.inherited_drift else ")")]
         if self.planned_steps is not None:
             lines.append(f"schedule: planned {self.planned_steps}, made {self.made()}"

@@ -15,7 +15,7 @@ says so when that decides the verdict.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from importlib import metadata
 from typing import Any, Optional, Tuple
@@ -206,6 +206,9 @@ class StackBehaviour:
         """What a user can do when this stack drifts."""
         if self.framework.remedy is not None:
             return self.framework.remedy
+        if self.engine_reason == WITHOUT_AN_ENGINE:
+            return ("find why the optimizer did not step where the Trainer counted an update (fp16's GradScaler "
+                    "skips a step whose gradients are not finite)")
         if self.engine_boundary is EngineBoundary.FOLLOWS_TRAINER:
             return "use StepSyncCallback(policy='realign') to adopt the engine's count"
         if parse_version(self.stack.transformers) >= parse_version("4.47.0"):
@@ -263,3 +266,13 @@ def behaviour_of(stack: Stack) -> StackBehaviour:
         remainder_cut=REMAINDER_CUT.covers(stack.transformers),
         caveats=_caveats(stack),
     )
+
+
+WITHOUT_AN_ENGINE = "no DeepSpeed: the optimizer steps where the Trainer counts an update"
+
+
+def without_an_engine(behaviour: StackBehaviour) -> StackBehaviour:
+    """``behaviour`` for a run without DeepSpeed (DDP, FSDP, one device): the optimizer steps at the framework's own
+    boundaries, so the updates follow its count; its counting, planning and resume arithmetic stay the release's."""
+    return replace(behaviour, engine_boundary=EngineBoundary.FOLLOWS_TRAINER, engine_reason=WITHOUT_AN_ENGINE,
+                   can_override_boundary=False)

@@ -92,14 +92,14 @@ def summary_view(report: SyncReport) -> Panel:
     """The end-of-training summary: both counts, the events and what the drift did to the schedule."""
     lines = Text()
     lines.append(f"policy '{report.policy.value}': {report.counter} counted {report.trainer_steps} updates, "
-                 f"the engine made {report.engine_steps} (drift ")
+                 f"the {report.updater} made {report.engine_steps} (drift ")
     lines.append_text(_drift_text(report.drift))
     lines.append(")")
     if report.inherited_drift:
         lines.append(f", of which {report.inherited_drift:+d} was inherited when training began")
     if report.planned_steps is not None:
         finished = report.schedule_finished
-        lines.append(f"\nschedule: {report.counter} planned {report.planned_steps} updates, the engine made "
+        lines.append(f"\nschedule: {report.counter} planned {report.planned_steps} updates, the {report.updater} made "
                      f"{report.made()}: " + ("finished" if finished else
                                              f"NOT finished ({report.missed_updates} not made)"),
                      style=None if finished else "yellow")
@@ -119,7 +119,8 @@ def summary_view(report: SyncReport) -> Panel:
     for flaw in report.update_flaws:
         lines.append(f"\nupdates: {flaw}", style="yellow")
     if report.unapplied_micro_batches:
-        lines.append(f"\n{report.unapplied_micro_batches} micro-batch(es) accumulated by the engine were never applied",
+        lines.append(f"\n{report.unapplied_micro_batches} micro-batch(es) accumulated by the {report.updater} were "
+                     "never applied",
                      style="yellow")
     for note in report.notes:
         lines.append(f"\nnote: {note}")

@@ -52,6 +52,8 @@ class EngineFacts:
             (it checks none in this precision), or "" where it checks them.
         zero_stage, offloads_optimizer, precision, data_parallel_size: what the weight faults of a release depend
             on (None, False, "fp32", 1 where the engine does not say).
+        deepspeed: a DeepSpeed engine makes the updates (False: the run's own optimizer,
+            :mod:`stepsync.engine.optimizer`).
     """
 
     gradient_accumulation_steps: Optional[int]
@@ -66,6 +68,7 @@ class EngineFacts:
     offloads_optimizer: bool = False
     precision: str = "fp32"
     data_parallel_size: int = 1
+    deepspeed: bool = True
 
 
 def _whole(value: Any) -> Optional[int]:
@@ -79,6 +82,9 @@ def _asked(engine: Any, name: str) -> Any:
 
 
 def engine_facts(engine: Any) -> EngineFacts:
+    known = getattr(engine, "facts", None)
+    if isinstance(known, EngineFacts):  # not a DeepSpeed engine: it says what it is
+        return known
     gas = getattr(engine, "gradient_accumulation_steps", None)
     gas = gas() if callable(gas) else gas
     managed = _asked(engine, "managed_gradient_accumulation")

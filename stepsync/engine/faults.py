@@ -19,6 +19,8 @@ def switch_off(run: Run, reason: str, exc_info: Optional[BaseException] = None) 
     """Stop everything: observing and steering; the engine decides its boundary again. Where the engine refuses
     that too (its boundary setter is what failed), the same one message says so."""
     run.observing = False
+    if not run.facts.deepspeed:
+        run.engine.stop_counting()
     try:
         run.action.end(run)
     except Exception as exc:

@@ -111,6 +111,11 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None) -> 
     if built is not None:
         built(run)
     report.active = True
+    if not run.facts.deepspeed:
+        report.updater = "optimizer"
+        run.note(f"no DeepSpeed: {start.framework.name}'s count is held against its optimizer's steps; the forecast, "
+                 "the record in every checkpoint and the resume check ran, DeepSpeed's own checks (its counter's "
+                 "boundary, each micro-batch's weight, skipped and non-finite updates, clipping) did not")
     run.state_what_differs(start.framework.whose_g)
     if start.record_problem:
         run.error(f"{start.record_problem}; the report covers this run only")

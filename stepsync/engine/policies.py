@@ -63,8 +63,8 @@ class RealignAction(PolicyAction):
 
     def begin(self, run: RunView) -> Optional[Steering]:
         if run.behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER and not run.report.inherited_drift:
-            run.note("policy 'realign' does nothing here: this accelerate already makes the engine update where "
-                     "the Trainer counts (accelerate >= 1.8.0); it would only correct a drift from a checkpoint")
+            run.note(f"policy 'realign' does nothing here: {already_follows(run)}; it would only correct a drift "
+                     "from a checkpoint")
             return None
         return lowered_plan(run, self.policy, "the engine can make")
 
@@ -169,9 +169,16 @@ class FollowTheLoop(SyncAction):
             self.override.set(ends_window)
 
 
+def already_follows(run: RunView) -> str:
+    """Why the updates already follow the framework's count, in words."""
+    if not run.facts.deepspeed:
+        return f"without DeepSpeed the optimizer steps where {run.report.framework.name} counts an update"
+    return (f"this accelerate already makes DeepSpeed's boundary follow {run.report.framework.name} "
+            "(accelerate >= 1.8.0)")
+
+
 def nothing_to_sync(run: RunView) -> Steering:
-    run.note(f"policy 'sync' does nothing here: this accelerate already makes DeepSpeed's boundary follow "
-             f"{run.report.framework.name} (accelerate >= 1.8.0)")
+    run.note(f"policy 'sync' does nothing here: {already_follows(run)}")
     return Steering(replacement=WatchOnly(Policy.SYNC))
 
 

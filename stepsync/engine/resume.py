@@ -35,7 +35,8 @@ def continue_from(run: Run, record: ResumeRecord) -> None:
     report.corrections = record.corrections
     report.dropped_micro_batches = dict(record.dropped_micro_batches)
     run.last_drift = record.drift
-    text = (f"resumed from a checkpoint saved at Trainer/engine {record.trainer_steps}/{record.engine_steps} "
+    text = (f"resumed from a checkpoint saved at {report.counter}/{report.updater} {record.trainer_steps}/"
+            f"{record.engine_steps} "
             f"under policy '{record.policy}'; the report continues it")
     run.note(text + (f" (drift {record.drift:+d} carried over)" if record.drift else ""))
     if record.unapplied_at_save:

@@ -186,6 +186,8 @@ class Run(UpdateOutcomes):
         self.action.end(self)
         if self.output_hooks is not None:
             self.output_hooks.remove()
+        if not self.facts.deepspeed:
+            self.engine.stop_counting()
         self._check_weights_now()
         if not self.observing:
             return False
@@ -228,6 +230,7 @@ class Run(UpdateOutcomes):
             remedy=remedy or self.remedy,
             where=where,
             counter=report.framework.counter,
+            **({} if self.facts.deepspeed else {"updates": "optimizer steps"}),
         )
         self.last_drift = drift
         report.events.append(event)

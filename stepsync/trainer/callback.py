@@ -12,10 +12,11 @@ from ..core.errors import StepSyncConfigError, StepSyncError, UnsupportedVersion
 from ..core.frameworks import TRAINER
 from ..core.record import CALLBACK_NAME
 from ..core.report import SyncReport
-from ..core.versions import Stack, behaviour_of
+from ..core.versions import Stack, behaviour_of, without_an_engine
 from ..display.output import ConsoleOutput, logger
 from ..engine.faults import Adapter, guarded
 from ..engine.lifecycle import close_run, idle_report
+from ..engine.optimizer import count_optimizer_steps
 from ..engine.resume import record_of
 from ..engine.run import Run
 from . import trainer as trainer_facts
@@ -58,7 +59,9 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
 
     Before training it forecasts both counts per epoch; at every step end and epoch end it
     compares them, logs each change of the drift (logger ``stepsync``, rich output where the Trainer's
-    logs go), adds ``stepsync/*`` metrics to every log record, and applies ``policy``.
+    logs go), adds ``stepsync/*`` metrics to every log record, and applies ``policy``. A run without DeepSpeed
+    (DDP, FSDP, one device) gets the forecast, the record in every checkpoint and the resume check, its count held
+    against its optimizer's steps; DeepSpeed's own checks need its engine.
 
     Args:
         policy: ``"warn"`` (default; report only), ``"raise"`` (stop at the first divergence),
@@ -132,17 +135,24 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
         leader = trainer_facts.elect(trainer, StepSyncCallback)
         if leader is not self:
             return self._follow(leader, args, state)
-        if not trainer_facts.uses_deepspeed(trainer, args):
-            return self._deactivate("the Trainer does not use DeepSpeed: nothing to check", logging.INFO, args, state)
-        engine = trainer_facts.find_engine(trainer)
+        deepspeed = trainer_facts.uses_deepspeed(trainer, args)
+        if deepspeed:
+            engine = trainer_facts.find_engine(trainer)
+            missing = ("DeepSpeed is configured but no engine with global_steps was found (trainer.model_wrapped); "
+                       "stepsync cannot check this run")
+        else:  # DDP, FSDP, one device: the updates are the optimizer's steps
+            engine = count_optimizer_steps(getattr(trainer, "optimizer", None), state.global_step)
+            missing = "the Trainer has no torch optimizer (trainer.optimizer) whose steps stepsync can count"
         if engine is None:
-            return self._deactivate("DeepSpeed is configured but no engine with global_steps was found "
-                                    "(trainer.model_wrapped); stepsync cannot check this run", logging.WARNING,
-                                    args, state)
+            return self._deactivate(missing, logging.WARNING, args, state)
         try:
             behaviour = behaviour_of(Stack.installed())
         except UnsupportedVersion as exc:
+            if not deepspeed:
+                engine.stop_counting()
             return self._deactivate(f"{exc}; stepsync cannot check this run", logging.WARNING, args, state)
+        if not deepspeed:
+            behaviour = without_an_engine(behaviour)
         before = (state.global_step, state.max_steps)
         failure = None
         try:

@@ -26,6 +26,27 @@ def end_process_group() -> None:
         dist.destroy_process_group()
 
 
+def forget_deepspeed() -> None:
+    """Make this process's next run one without DeepSpeed: a DeepSpeed run leaves it switched on in accelerate's
+    shared state, in transformers' global config and in the environment (ACCELERATE_USE_DEEPSPEED and its kin)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    try:
+        AcceleratorState._reset_state(True)
+    except TypeError:  # accelerate < 0.17 resets everything unasked
+        AcceleratorState._reset_state()
+    if hasattr(GradientState, "_reset_state"):
+        GradientState._reset_state()
+    try:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    except ImportError:  # transformers < 4.33 keeps it in transformers.deepspeed
+        from transformers.deepspeed import unset_hf_deepspeed_config
+    unset_hf_deepspeed_config()
+    for name in [name for name in os.environ if name.startswith(("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED",
+                                                                  "ACCELERATE_MIXED_PRECISION"))]:
+        del os.environ[name]
+
+
 @dataclass
 class Recording:
     """What the real run did, recorded independently of stepsync, one entry per micro-batch.

@@ -4,11 +4,11 @@ with one weight per sample returning the loss with its logits (as every transfor
 plain SGD at lr 1: each sample's share of the update is read from the parameters and held against the same loop
 without DeepSpeed, the truth. stepsync must name the fault where the shares are wrong (and only there), stop at the
 first forward under raise, and under sync make the shares equal to the run without DeepSpeed."""
-import os
 from importlib.metadata import version
 
 import pytest
 
+from harness.runs import forget_deepspeed
 from harness.stack import needs_stack
 from stepsync.tools.tiny_run import cpu_distributed_env
 
@@ -53,16 +53,11 @@ def loop(outputs, policy, deepspeed=True):
     cpu_distributed_env()
     import torch
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import DeepSpeedPlugin
 
     import stepsync
 
-    AcceleratorState._reset_state(True)
-    for name in [name for name in os.environ if name.startswith(("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED",
-                                                                  "ACCELERATE_MIXED_PRECISION"))]:
-        del os.environ[name]  # a DeepSpeed loop leaves them: the next loop would be DeepSpeed's again
-    GradientState._reset_state()
+    forget_deepspeed()  # a DeepSpeed loop leaves it switched on: the next loop would be DeepSpeed's again
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": G,
               "zero_optimization": {"stage": 0}, "zero_allow_untested_optimizer": True}
     plugin = DeepSpeedPlugin(hf_ds_config=config) if deepspeed else None
@@ -121,14 +116,11 @@ def trainer_run(tmp_path, outputs, policy, deepspeed=True):
     """One epoch of the real Trainer: (shares, stepsync's report or None, the error that ended it or None)."""
     cpu_distributed_env()
     import torch
-    from accelerate.state import AcceleratorState
     from transformers import Trainer, TrainingArguments
 
     from stepsync import StepSyncCallback
 
-    AcceleratorState._reset_state(True)
-    for name in [name for name in os.environ if name.startswith(("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED"))]:
-        del os.environ[name]
+    forget_deepspeed()
 
     class OneHot(torch.utils.data.Dataset):
         def __len__(self):

@@ -1,7 +1,7 @@
 """Real Trainer + real DeepSpeed engine on CPU, one process. Counts are asserted exactly."""
 import pytest
 
-from harness.runs import run
+from harness.runs import forget_deepspeed, run
 from harness.stack import DRIFTS, expected_counts, needs_stack
 
 pytestmark = [needs_stack, pytest.mark.integration]
@@ -81,27 +81,17 @@ def test_raise_stops_at_the_first_divergence(tmp_path):
         assert result.error is None and result.trainer.state.global_step == 4
 
 
-def test_trainer_without_deepspeed_gets_no_report(tmp_path, caplog, monkeypatch):
-    import logging
-
-    from accelerate.state import AcceleratorState
-
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    # Earlier runs in this process left DeepSpeed switched on in accelerate's shared state.
-    AcceleratorState._reset_state(True)
-    unset_hf_deepspeed_config()
-    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
-    with caplog.at_level(logging.INFO, logger="stepsync"):
-        result = run(tmp_path, 3, 2, 2, deepspeed=False, use_cpu=True)
+def test_trainer_without_deepspeed_is_watched_against_its_optimizer(tmp_path):
+    """No DeepSpeed: the run is watched all the same, its count held against its optimizer's steps (the checks
+    against the parameters themselves are tests/integration/test_without_deepspeed.py)."""
+    forget_deepspeed()  # earlier runs in this process left DeepSpeed switched on
+    result = run(tmp_path, 3, 2, 2, deepspeed=False, use_cpu=True)
     report = result.callback.report
     assert result.error is None and result.trainer.state.global_step == 4
-    assert not report.active and "does not use DeepSpeed" in report.inactive_reason
-    assert report.events == [] and report.forecast is None
-    assert report.finished  # training ended, though there was nothing to watch
-    assert [r.message for r in caplog.records if r.name == "stepsync"] == [
-        "stepsync: the Trainer does not use DeepSpeed: nothing to check"]
-    assert all("stepsync/drift" not in record for record in result.trainer.state.log_history)
+    assert (report.active, report.updater, report.trainer_steps, report.engine_steps) == (True, "optimizer", 4, 4)
+    assert report.events == [] and report.forecast.aligned and report.finished
+    logged = [(r["stepsync/trainer_steps"], r["stepsync/engine_steps"]) for r in result.trainer.state.log_history]
+    assert logged == [(1, 1), (2, 2), (3, 3), (4, 4), (4, 4)]
 
 
 def test_trainer_subclass_is_found(tmp_path):

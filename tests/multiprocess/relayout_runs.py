@@ -5,7 +5,7 @@ stepsync), the Trainer's count before it, and stepsync's report.
     python -m torch.distributed.run --nproc_per_node W tests/multiprocess/relayout_runs.py OUT NAME SAMPLES G EPOCHS
         POLICY [CHECKPOINT]
 
-STEPSYNC_ZERO_STAGE (default 0) sets the ZeRO stage; STEPSYNC_LOAD_UNIVERSAL=1 resumes from DeepSpeed's universal
+STEPSYNC_ZERO_STAGE (default 0) sets the ZeRO stage ("none": without DeepSpeed, DDP on gloo); STEPSYNC_LOAD_UNIVERSAL=1 resumes from DeepSpeed's universal
 copy of the checkpoint ("checkpoint": {"load_universal": true} in the DeepSpeed config).
 """
 import json
@@ -53,7 +53,8 @@ def main(out, name, samples, gas, epochs, policy, checkpoint=None):
 
     from stepsync.tools.tiny_run import deepspeed_config
 
-    config = deepspeed_config(int(os.environ.get("STEPSYNC_ZERO_STAGE", "0")))
+    stage = os.environ.get("STEPSYNC_ZERO_STAGE", "0")
+    config = None if stage == "none" else deepspeed_config(int(stage))  # "none": DDP, or one process
     if os.environ.get("STEPSYNC_LOAD_UNIVERSAL") == "1":
         config["checkpoint"] = {"load_universal": True}
     from transformers import TrainerCallback

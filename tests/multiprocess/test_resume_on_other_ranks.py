@@ -20,7 +20,8 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "relayout_runs.py")
 
 
 def launch(out, name, world, samples, gas, epochs, policy="warn", checkpoint=None, stage=0, universal=False):
-    """One phase on ``world`` ranks; each rank's record."""
+    """One phase on ``world`` ranks (``stage`` "none": without DeepSpeed); each rank's record."""
+    out.mkdir(parents=True, exist_ok=True)
     env = child_env(dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
                          STEPSYNC_ZERO_STAGE=str(stage), STEPSYNC_LOAD_UNIVERSAL="1" if universal else "0"))
     with socket.socket() as sock:
@@ -166,3 +167,52 @@ def test_a_checkpoint_saved_without_stepsync_is_read_from_its_files(bare, name, 
         shift = resumed[0]["report"]["resume_shift"]
         assert "rng_state files" in shift["read_from_files"] and "G from its max_steps and epoch" in \
             shift["read_from_files"]
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    """The same runs without DeepSpeed (DDP on gloo, or one process), saved with stepsync and without it."""
+    out = tmp_path_factory.mktemp("relayout-ddp")
+    return out, {policy: {"one": launch(out / policy, "one", 1, 12, 4, 3, policy=policy, stage="none"),
+                          "two": launch(out / policy, "two", 2, 10, 3, 3, policy=policy, stage="none")}
+                 for policy in ("warn", "none")}
+
+
+def test_a_run_without_deepspeed_is_watched_and_says_its_updates(ddp):
+    """The saving runs: every update the Trainer counted is an optimizer step, and the report says so."""
+    _, runs = ddp
+    for name, updates in (("one", 9), ("two", 6)):  # 3 epochs of ceil(12/4) and of ceil(5/3) updates
+        for rank in runs["warn"][name]:
+            report = rank["report"]
+            assert (report["active"], report["updater"], report["trainer_steps"], report["engine_steps"]) == \
+                (True, "optimizer", updates, updates)
+            assert report["events"] == [] and report["notes"][0].startswith("no DeepSpeed:")
+
+
+@pytest.mark.parametrize("saved_with", ["warn", "none"])
+@pytest.mark.parametrize("name, world, gas, base, samples, step, expected", [
+    ("one-to-two-at-an-epoch-end", 2, 4, "one", 12, 6, ({3: 12}, {})),
+    ("two-to-one-inside-an-epoch", 1, 3, "two", 10, 3, ({}, {1: 1, 2: 6})),
+    ("one-to-two-with-the-fix", 2, 2, "one", 12, 4, ({}, {})),
+])
+def test_a_resume_without_deepspeed_is_said_as_it_trains(ddp, saved_with, name, world, gas, base, samples, step,
+                                                         expected):
+    """DDP: what stepsync says the resume skips and trains twice equals what every rank trained, from the record
+    stepsync saved and from the files of a checkpoint saved without it."""
+    out, runs = ddp
+    folder = out / saved_with
+    resumed = launch(folder, f"{name}-resumed", world, samples, gas, 3,
+                     checkpoint=str(folder / base / f"checkpoint-{step}"), stage="none")
+    assert all(rank["error"] is None for rank in resumed)
+    assert truth(runs[saved_with][base], resumed, step, samples, 3) == expected
+    assert all(said(rank) == expected for rank in resumed)
+    assert all(rank["report"]["updater"] == "optimizer" for rank in resumed)
+
+
+def test_raise_stops_a_ddp_resume_on_every_rank_before_any_micro_batch(ddp):
+    out, _ = ddp
+    checkpoint = out / "none" / "one" / "checkpoint-4"  # saved without stepsync: read from its files
+    stopped = launch(out / "none", "raise", 2, 12, 4, 3, policy="raise", checkpoint=str(checkpoint), stage="none")
+    for rank in stopped:
+        assert rank["error"] == "StepSyncConfigError" and rank["trained"] == []
+        assert "resume with gradient_accumulation_steps=2" in rank["error_message"]
