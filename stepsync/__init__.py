@@ -19,6 +19,7 @@ _PUBLIC = {
     "Stack": "core.versions", "behaviour_of": "core.versions",
     "StepSyncCallback": "trainer.callback",
     "watch": "accelerate.watch", "LoopWatch": "accelerate.watch",
+    "resume_settings": "tools.elastic", "ResumeSettings": "tools.elastic",
 }
 
 __all__ = sorted([*_PUBLIC, "__version__"])

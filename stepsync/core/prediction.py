@@ -174,9 +174,11 @@ def verdict(forecast: Forecast) -> str:
         inherited = f" (inherited drift {forecast.inherited_drift:+d} stays)" if forecast.inherited_drift else ""
         return (f"aligned: both sides count {forecast.trainer_steps} updates under policy "
                 f"'{forecast.policy.value}'{inherited}{tail}")
-    if forecast.aligned:
+    if forecast.aligned:  # the shift's fact carries its own fix
+        shift = forecast.resume_shift
+        remedy = "" if shift is not None and wrong == [shift_fact(shift)] else f"; {forecast.behaviour.remedy}"
         return (f"affected: both sides count {forecast.trainer_steps} updates under policy "
-                f"'{forecast.policy.value}'{tail}; {forecast.behaviour.remedy}")
+                f"'{forecast.policy.value}'{tail}{remedy}")
     reason = drift_reason(forecast)
     return (
         f"affected: {framework} counts {forecast.trainer_steps} updates, the engine makes {forecast.engine_steps} "
@@ -197,11 +199,18 @@ def what_the_updates_miss(forecast: Forecast) -> List[str]:
                      f"still accumulating (ZeRO-{forecast.plan.zero_stage}): trained, never applied")
     shift = forecast.resume_shift
     if shift is not None and not shift.exact:
-        facts.append(f"the resume on another layout skips {sum(shift.skipped.values())} and trains "
-                     f"{sum(shift.repeated.values())} sample(s) twice")
+        facts.append(shift_fact(shift))
     if forecast.straddling and forecast.behaviour.zero_grad_at_its_windows:
         facts.append(f"the engine's windows cross into epoch(s) {_listed(forecast.straddling)}")
     return facts
+
+
+def shift_fact(shift: ResumeShift) -> str:
+    """A resume's shift in a few words, with its fix."""
+    fix = (f"resume with {', or '.join(shift.fixes)}" if shift.fixes else
+           f"no layout on {shift.resumed.world_size} rank(s) lands there")
+    return (f"the resume on another layout skips {sum(shift.skipped.values())} and trains "
+            f"{sum(shift.repeated.values())} sample(s) twice ({fix})")
 
 
 def forecast_dict(forecast: Forecast) -> dict:

@@ -203,37 +203,58 @@ def rng_state_ranks(entries: List[str]) -> Set[int]:
 def record_from_files(folder: str, global_step: int, resumed: Layout,
                       planned: PlannedSteps) -> Tuple[Optional[ResumeRecord], str]:
     """For a checkpoint saved without stepsync's record: (what its record would hold, how its layout was read), or
-    (None, why not) where its files do not show a layout other than ``resumed``'s.
+    (None, why not) where its files do not show a layout other than ``resumed``'s (:func:`layout_from_files`; what
+    the files do not tell is taken as ``resumed``'s, said)."""
+    saved, how = layout_from_files(folder, global_step, resumed.examples, planned, resumed.per_device_batch,
+                                   resumed.gradient_accumulation_steps, resumed.zero_stage)
+    if saved is None:
+        return None, how
+    if (saved.world_size, saved.per_device_batch, saved.gradient_accumulation_steps) == (
+            resumed.world_size, resumed.per_device_batch, resumed.gradient_accumulation_steps):
+        return None, ""
+    return record_at(saved, global_step, planned), how
 
-    The processes come from its ``rng_state`` files, the per-device batch from its ``trainer_state.json``, G from the
-    same file's ``max_steps``, ``num_train_epochs`` and ``epoch`` where one G alone fits them (else the resuming
-    run's, said); the dataset is the resuming run's, and the saved run is taken to stand where the Trainer's own
-    arithmetic places its ``global_step`` on its layout."""
+
+def layout_from_files(folder: str, global_step: int, examples: int, planned: PlannedSteps,
+                      batch: Optional[int] = None, g: Optional[int] = None,
+                      zero_stage: Optional[int] = None) -> Tuple[Optional[Layout], str]:
+    """(the layout a checkpoint was saved on, how it was read from its files) or (None, why not), for a run of
+    ``examples`` samples.
+
+    The processes come from its ``rng_state`` files, the per-device batch from its ``trainer_state.json`` (else
+    ``batch``), G from the same file's ``max_steps``, ``num_train_epochs`` and ``epoch`` where one G alone fits them
+    (else ``g``, said; None: the layout cannot be told)."""
     try:
         ranks = rng_state_ranks(os.listdir(folder))
         with open(os.path.join(folder, TRAINER_STATE)) as handle:
             state = json.load(handle)
-        batch = state.get("train_batch_size")
+        saved_batch = state.get("train_batch_size")
     except (OSError, ValueError, AttributeError):
         return None, f"{folder}: no stepsync record, and its files do not show the layout it was saved on"
     if not ranks:
         return None, f"{folder}: no stepsync record and no rng_state file: the layout it was saved on is unknown"
     world = max(ranks) + 1
-    batch = batch if isinstance(batch, int) and batch > 0 else resumed.per_device_batch
-    unknown_g = Layout(world, batch, 1, resumed.examples, resumed.zero_stage)
-    fitting = [g for g in range(1, unknown_g.micro_batches_per_epoch + 1)
-               if _fits(state, unknown_g.micro_batches_per_epoch, g, global_step, planned)]
-    g = fitting[0] if len(fitting) == 1 else resumed.gradient_accumulation_steps
+    saved_batch = saved_batch if isinstance(saved_batch, int) and saved_batch > 0 else batch
+    if saved_batch is None:
+        return None, f"{folder}: its trainer_state.json does not keep the per-device batch it was saved with"
+    per_epoch = Layout(world, saved_batch, 1, examples).micro_batches_per_epoch
+    fitting = [fit for fit in range(1, per_epoch + 1) if _fits(state, per_epoch, fit, global_step, planned)]
+    saved_g = fitting[0] if len(fitting) == 1 else g
+    if saved_g is None:
+        return None, (f"{folder}: {len(fitting) or 'no'} gradient_accumulation_steps fit its trainer_state.json: "
+                      "the G it was saved with is unknown")
     how_g = "G from its max_steps and epoch" if len(fitting) == 1 else "G taken as this run's"
-    if (world, batch, g) == (resumed.world_size, resumed.per_device_batch, resumed.gradient_accumulation_steps):
-        return None, ""
-    saved = Layout(world, batch, g, resumed.examples, resumed.zero_stage)
+    saved = Layout(world, saved_batch, saved_g, examples, zero_stage)
+    return saved, (f"no stepsync record in the checkpoint: {world} rank(s) read from its rng_state files, batch "
+                   f"{saved_batch} from its trainer_state.json, {how_g}")
+
+
+def record_at(saved: Layout, global_step: int, planned: PlannedSteps) -> ResumeRecord:
+    """The record a run on ``saved`` would hold at ``global_step``, standing where the Trainer's own arithmetic
+    places that count."""
+    g = saved.gradient_accumulation_steps
     epoch, updates = _placed(saved.micro_batches_per_epoch, g, global_step, planned)
-    record = ResumeRecord("", global_step, global_step, None, epoch, updates * g, world_size=world,
-                          per_device_batch=batch, gradient_accumulation_steps=g, examples=saved.examples,
-                          zero_stage=saved.zero_stage)
-    return record, (f"no stepsync record in the checkpoint: {world} rank(s) read from its rng_state files, batch "
-                    f"{batch} from its trainer_state.json, {how_g}")
+    return ResumeRecord("", global_step, global_step, None, epoch, updates * g, **asdict(saved))
 
 
 def _placed(micro_batches: int, g: int, global_step: int, planned: PlannedSteps) -> Tuple[int, int]:
@@ -256,7 +277,7 @@ def _fits(state: Dict[str, Any], micro_batches: int, g: int, global_step: int, p
     for step, epoch_logged in logged:
         if not isinstance(step, int) or not isinstance(epoch_logged, (int, float)):
             continue
-        epoch, updates = divmod(step, per_epoch)
+        epoch, updates = _placed(micro_batches, g, step, planned)
         if abs(epoch_logged - (epoch + min(updates * g, micro_batches) / micro_batches)) > 1e-6:
             return False
     return True

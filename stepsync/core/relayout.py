@@ -68,7 +68,8 @@ class ResumeShift:
         stood: (0-based epoch, sample position) where the saved run's next micro-batch was.
         lands: (0-based epoch, sample position) where the Trainer resumes on the new layout.
         skipped, repeated: per 1-based epoch, samples never trained and trained twice.
-        fixes: layouts on as many ranks that land exactly, each said as the change to make.
+        fixes: layouts on as many ranks that land exactly, each said as the change to make; ``fixed_layouts``
+            the same layouts whole.
         read_from_files: how the saved layout was learnt where the checkpoint holds no stepsync record ("" where
             the record kept it).
     """
@@ -82,6 +83,7 @@ class ResumeShift:
     repeated: Dict[int, int] = field(default_factory=dict)
     fixes: List[str] = field(default_factory=list)
     read_from_files: str = ""
+    fixed_layouts: List[Layout] = field(default_factory=list)
 
     @property
     def exact(self) -> bool:
@@ -148,7 +150,8 @@ def resume_shift(saved: Layout, resumed: Layout, global_step: int, stood: Tuple[
     elif lands < stood:
         shift.repeated = span
     if not shift.exact:
-        shift.fixes = _fixes(saved, resumed, global_step, stood, planned)
+        found = _fixes(saved, resumed, global_step, stood, planned)
+        shift.fixes, shift.fixed_layouts = [change for change, _ in found], [layout for _, layout in found]
     return shift
 
 
@@ -164,16 +167,18 @@ def _between(start: Tuple[int, int], end: Tuple[int, int], examples: int) -> Dic
 
 
 def _fixes(saved: Layout, resumed: Layout, global_step: int, stood: Tuple[int, int],
-           planned: PlannedSteps) -> List[str]:
-    """The changes on ``resumed``'s ranks that keep the global batch and land exactly where the run stood."""
-    found = []
+           planned: PlannedSteps) -> List[Tuple[str, Layout]]:
+    """The changes on ``resumed``'s ranks that keep the global batch and land exactly where the run stood, each with
+    the layout it makes."""
+    found: List[Tuple[str, Layout]] = []
     w, b, g, keep = resumed.world_size, resumed.per_device_batch, resumed.gradient_accumulation_steps, \
         saved.samples_per_update
     candidates = ((b, keep // (w * b), f"gradient_accumulation_steps={keep // (w * b)}"),
                   (keep // (w * g), g, f"per_device_train_batch_size={keep // (w * g)}"))
     for batch, gas, change in candidates:
-        if batch < 1 or gas < 1 or w * batch * gas != keep or change in found:
+        fixed = Layout(w, batch, gas, saved.examples, resumed.zero_stage) if batch >= 1 and gas >= 1 else None
+        if fixed is None or w * batch * gas != keep or any(change == known for known, _ in found):
             continue
-        if landing(Layout(w, batch, gas, saved.examples, resumed.zero_stage), global_step, planned) == stood:
-            found.append(change)
+        if landing(fixed, global_step, planned) == stood:
+            found.append((change, fixed))
     return found

@@ -73,6 +73,6 @@ class Messages:
         """The summary at the end, once."""
         if self.is_main:
             report = self.report
-            logger.info("%s counted %d updates, engine made %s (drift %+d)", report.counter,
-                        report.trainer_steps, report.made(), report.drift)
+            logger.info("%s counted %d updates, %s made %s (drift %+d)", report.counter,
+                        report.trainer_steps, report.updater, report.made(), report.drift)
             self.output.show(render.summary_view, report, logging.INFO)

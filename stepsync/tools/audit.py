@@ -18,6 +18,7 @@ from ..core import record as checkpoint
 from ..core.errors import AuditInputError
 from ..core.record import ResumeRecord, rng_state_ranks
 from .archives import archive_problem, int_in_pickle
+from .storage import Located, checkpoints_under, locate
 
 _TAG = re.compile(r"^global_step(\d+)$")
 # DeepSpeed's files in global_stepM/: model states per model-parallel rank (ZeRO 0-2) or per data-parallel and
@@ -28,10 +29,10 @@ _OPTIM_STATES = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_s
 
 @dataclass
 class CheckpointAudit:
-    """One ``checkpoint-N`` folder.
+    """One ``checkpoint-N`` folder (or Ray Train's ``checkpoint_<timestamp>/checkpoint/``).
 
     Attributes:
-        trainer_step: N, from the folder name.
+        trainer_step: N, from the folder name (Ray's: from its ``trainer_state.json``).
         trainer_state_step: ``global_step`` in ``trainer_state.json`` (None when unreadable).
         deepspeed_tag: the tag in ``latest``; deepspeed_step: its number.
         tag_folders: the numbers of the ``global_stepM/`` folders present.
@@ -108,7 +109,8 @@ class OutputAudit:
 
 
 def audit_output_dir(path: str, verify_data: bool = True) -> OutputAudit:
-    """Audit every ``checkpoint-N`` in a Trainer output directory, or the one ``checkpoint-N`` folder named.
+    """Audit every checkpoint in a Trainer output directory or a Ray Train run's storage folder
+    (:mod:`stepsync.tools.storage`), or the one checkpoint named.
 
     ``verify_data=False`` checks each DeepSpeed file's structure and pickle but not every tensor's checksum
     (which reads every byte of the checkpoint)."""
@@ -116,22 +118,25 @@ def audit_output_dir(path: str, verify_data: bool = True) -> OutputAudit:
         raise AuditInputError(f"{path!r} does not exist: pass the Trainer's output_dir")
     if not os.path.isdir(path):
         raise AuditInputError(f"{path!r} is not a directory: pass the Trainer's output_dir, not a file in it")
-    if checkpoint.step_of(path) is not None:
-        # The checkpoint that was named, alone.
-        return OutputAudit(path, [audit_checkpoint(os.path.normpath(path), verify_data)])
-    steps = {n: step for n in os.listdir(path) if (step := checkpoint.step_of(n)) is not None}
-    names = sorted(steps, key=steps.__getitem__)
-    if not names:
-        raise AuditInputError(f"no checkpoint-N folders in {path!r}: pass the output_dir of a Trainer run that saved")
-    return OutputAudit(path, [audit_checkpoint(os.path.join(path, name), verify_data) for name in names])
+    named = locate(path)
+    found = [named] if named is not None else checkpoints_under(path)
+    if not found:
+        raise AuditInputError(f"no checkpoint-N folders (nor Ray Train checkpoint_<timestamp> folders) in {path!r}: "
+                              "pass the output_dir of a Trainer run that saved, or Ray Train's <storage_path>/<name>")
+    return OutputAudit(path, [audit_checkpoint(item.path, verify_data, item) for item in found])
 
 
-def audit_checkpoint(path: str, verify_data: bool = True) -> CheckpointAudit:
-    name = os.path.basename(path)
-    step = checkpoint.step_of(name)
-    if step is None:
-        raise AuditInputError(f"{path!r} is not a checkpoint-N folder: pass one the Trainer saved")
-    audit = CheckpointAudit(name, path, step)
+def audit_checkpoint(path: str, verify_data: bool = True, located: Optional[Located] = None) -> CheckpointAudit:
+    """Audit one checkpoint folder (``located``: its name and step where the folder's name does not say them)."""
+    located = located or locate(path)
+    if located is None:
+        raise AuditInputError(f"{path!r} is not a checkpoint-N folder (nor Ray Train's checkpoint_<timestamp>): "
+                              "pass one the Trainer saved")
+    name = located.name
+    if located.step is None:  # Ray's folder names no step: its trainer_state.json must
+        return CheckpointAudit(name, path, 0, problems=[f"{name}: no readable {checkpoint.TRAINER_STATE} gives its "
+                                                        "step: the save is incomplete"])
+    audit = CheckpointAudit(name, path, located.step)
     if not os.path.isdir(path):
         audit.problems.append(f"{name} is not a directory")
         return audit

@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --world-size: the resume's per-device batch (default: as saved)")
     inspect.add_argument("--gas", type=positive_int, default=None,
                          help="with --world-size: the resume's gradient_accumulation_steps (default: as saved)")
+    inspect.add_argument("--examples", type=positive_int, default=None,
+                         help="with --world-size, for checkpoints saved without stepsync: the training set's length "
+                              "(the layout is then read from their files)")
     verify = commands.add_parser(
         "verify", help="measure what the installed DeepSpeed does with your config",
         description="One real window through an engine built from your config: each micro-batch's weight in "
@@ -201,9 +204,10 @@ def run_inspect(args) -> int:
     resumes = []
     if args.world_size is not None:
         planned = behaviour_of(Stack(installed_version("transformers") or MEASURED_TRANSFORMERS[-1])).planned_steps
-        resumes = [resume_on(item, args.world_size, planned, args.batch_size, args.gas) for item in audit.checkpoints]
-    elif args.batch_size is not None or args.gas is not None:
-        raise ValueError("--batch-size and --gas describe a resume: give --world-size too")
+        resumes = [resume_on(item, args.world_size, planned, args.batch_size, args.gas, args.examples)
+                   for item in audit.checkpoints]
+    elif args.batch_size is not None or args.gas is not None or args.examples is not None:
+        raise ValueError("--batch-size, --gas and --examples describe a resume: give --world-size too")
     if args.json:
         print(json.dumps({**audit.to_dict(), **({"resume_on": [r.to_dict() for r in resumes]} if resumes else {})}))
     else:

@@ -1,12 +1,14 @@
 """``stepsync inspect DIR --world-size W``: whether each checkpoint resumes on W data-parallel ranks. Pure file
 reading: DeepSpeed's refusal foreseen from the files it would load (no pickle is run), with the conversion that
-lifts it, and the data the Trainer would skip or train twice there, from stepsync's record."""
+lifts it, and the data the Trainer would skip or train twice there, from stepsync's record or, without one, from
+the checkpoint's own files."""
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from ..core.record import layout_from_files, record_at
 from ..core.relayout import Layout, ResumeShift
 from ..core.versions import PlannedSteps
 from .audit import CheckpointAudit
@@ -45,9 +47,10 @@ class ResumeOn:
 
 
 def resume_on(audit: CheckpointAudit, world_size: int, planned: PlannedSteps, per_device_batch: Optional[int] = None,
-              gradient_accumulation_steps: Optional[int] = None) -> ResumeOn:
+              gradient_accumulation_steps: Optional[int] = None, examples: Optional[int] = None) -> ResumeOn:
     """Whether ``audit``'s checkpoint resumes on ``world_size`` ranks (per-device batch and G as saved unless
-    given), under the Trainer's ``planned`` arithmetic."""
+    given), under the Trainer's ``planned`` arithmetic. A checkpoint without stepsync's record has its layout read
+    from its files, given the training set's length ``examples``."""
     verdict = ResumeOn(audit.name, world_size)
     record = audit.record
     saved_ranks = audit.saved_world_size or (record.world_size if record is not None else None)
@@ -63,13 +66,27 @@ def resume_on(audit: CheckpointAudit, world_size: int, planned: PlannedSteps, pe
                 f"{saved_ranks} rank(s). Convert them once: python -m deepspeed.checkpoint.ds_to_universal "
                 f"--input_folder {folder} --output_folder {folder}_universal --inject_missing_state ; then add "
                 "\"checkpoint\": {\"load_universal\": true} to the DeepSpeed config")
-    saved = record.layout if record is not None else None
-    if record is None or saved is None:
-        verdict.notes.append("stepsync's record here does not keep the layout it was saved on: the data a resume "
-                             "would skip or train twice cannot be told")
-        return verdict
+    how = ""
+    if record is None or record.layout is None:
+        step = audit.trainer_state_step
+        if examples is None or step is None:
+            verdict.notes.append("no stepsync record keeps the layout it was saved on: give --examples N (the "
+                                 "training set's length) to read it from the checkpoint's files")
+            return verdict
+        saved, how = layout_from_files(audit.path, step, examples, planned, per_device_batch,
+                                       gradient_accumulation_steps)
+        if saved is None:
+            verdict.notes.append(how)
+            return verdict
+        record = record_at(saved, step, planned)
+    saved = record.layout
+    assert saved is not None  # a record read from files has one
     resumed = Layout(world_size, per_device_batch or saved.per_device_batch,
                      gradient_accumulation_steps or saved.gradient_accumulation_steps, saved.examples)
     step = record.resume_steps if record.resume_steps is not None else record.trainer_steps
     verdict.shift = record.resume_on(resumed, step, planned, audit.num_train_epochs)
+    if verdict.shift is not None:
+        verdict.shift.read_from_files = how
+    elif how:
+        verdict.notes.append(how)
     return verdict

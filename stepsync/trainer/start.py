@@ -46,6 +46,7 @@ def start_run(trainer: Any, args: Any, state: Any, engine: Any, train_dataloader
     saved, read_from_files = record, ""
     if (record is None or record.layout is None) and folder and state.global_step > 0 and layout is not None:
         saved, read_from_files = record_from_files(folder, state.global_step, layout, behaviour.planned_steps)
+    layout_unknown = read_from_files if saved is None else ""  # why the files do not tell it
     shift = None if saved is None or layout is None else saved.resume_on(
         layout, state.global_step, behaviour.planned_steps, math.ceil(args.num_train_epochs))
     if shift is not None and saved is not record:
@@ -63,6 +64,8 @@ def start_run(trainer: Any, args: Any, state: Any, engine: Any, train_dataloader
         start_epoch, skip = resume_position(plan, behaviour)
     def built(run: Run) -> None:
         keep(run)
+        if layout_unknown:
+            run.note(f"{layout_unknown}: a resume on another layout cannot be told")
         serve_a_generation_buffer(args, run, policy)
 
     run, steering = open_run(RunStart(

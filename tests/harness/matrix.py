@@ -74,7 +74,8 @@ TEST_REQUIREMENTS = ("rich", "pytest", "hypothesis", "nbclient", "ipykernel", "s
 # 4.57 and 5.0 fill DeepSpeed's warmup_num_steps with 0, which DeepSpeed 0.19.5 and later refuse: they get 0.18.4
 # (January 2026).
 STACKS = (
-    StackSpec("aligned", "5.24.0", "1.16.0", "0.19.8", "2026-11-30", "no drift", (Case(3, 2, 2), Case(7, 3, 2))),
+    StackSpec("aligned", "5.24.0", "1.16.0", "0.19.8", "2026-11-30", "no drift", (Case(3, 2, 2), Case(7, 3, 2)),
+              extras=("ray[train]==2.60.0",)),
     StackSpec("drifting", "5.24.0", "1.7.0", "0.19.8", "2026-11-30", "Trainer ahead by up to 1 per epoch",
               (Case(3, 2, 2), Case(7, 3, 2)), extras=("matplotlib", "trl==1.14.2", "peft==0.21.2")),
     StackSpec("t447", "4.47.1", "1.2.1", "0.16.2", "2025-01-15", "4.47.1 counts across epochs (max_steps=4)",

@@ -34,15 +34,11 @@ class Indexed:
         return {"input_ids": self.rows[index], "labels": self.rows[index]}
 
 
-def main(out, name, samples, gas, epochs, policy, checkpoint=None):
-    from transformers import Trainer
+def recording_trainer(trainer_class, trained: list):
+    """``trainer_class`` recording into ``trained``, for every micro-batch: the Trainer's own epoch (its loop's
+    variable), its count before it, and the samples, as it trains them."""
 
-    warnings.filterwarnings("ignore")
-    trained = []
-
-    class Recording(Trainer):
-        """The Trainer's own epoch (its loop's variable) and each micro-batch's samples, as it trains them."""
-
+    class Recording(trainer_class):
         def _run_epoch(self, *args, **kwargs):
             self.recorded_epoch = kwargs["epoch"]
             return super()._run_epoch(*args, **kwargs)
@@ -50,6 +46,16 @@ def main(out, name, samples, gas, epochs, policy, checkpoint=None):
         def training_step(self, model, inputs, *args, **kwargs):
             trained.append([self.recorded_epoch, self.state.global_step, inputs["input_ids"][:, 0].tolist()])
             return super().training_step(model, inputs, *args, **kwargs)
+
+    return Recording
+
+
+def main(out, name, samples, gas, epochs, policy, checkpoint=None):
+    from transformers import Trainer
+
+    warnings.filterwarnings("ignore")
+    trained = []
+    Recording = recording_trainer(Trainer, trained)
 
     from stepsync.tools.tiny_run import deepspeed_config
 

@@ -7,11 +7,11 @@ import os
 import socket
 import subprocess
 import sys
-from collections import Counter
 
 import pytest
 
 from harness.runs import child_env
+from harness.samples import said, skipped_and_repeated
 from harness.stack import STACK, needs_stack
 
 # The Trainer's resume arithmetic is transformers' alone: one 5.24 stack runs these (about 5 minutes of torchrun).
@@ -38,26 +38,7 @@ def launch(out, name, world, samples, gas, epochs, policy="warn", checkpoint=Non
 
 
 def truth(saved, resumed, checkpoint_step, samples, epochs):
-    """(skipped, repeated) per 1-based epoch, from the samples every rank trained: the saved run up to its
-    checkpoint, then the resumed run."""
-    counts = {epoch: Counter() for epoch in range(epochs)}
-    for rank in saved:
-        for epoch, step_before, indices in rank["trained"]:
-            if step_before < checkpoint_step:
-                counts[epoch].update(indices)
-    for rank in resumed:
-        for epoch, _, indices in rank["trained"]:
-            counts[epoch].update(indices)
-    skipped = {e + 1: samples - len(c) for e, c in counts.items() if samples - len(c)}
-    repeated = {e + 1: sum(n - 1 for n in c.values()) for e, c in counts.items() if sum(n - 1 for n in c.values())}
-    return skipped, repeated
-
-
-def said(rank):
-    shift = rank["shift"]
-    if shift is None:
-        return {}, {}
-    return ({int(k): v for k, v in shift["skipped"].items()}, {int(k): v for k, v in shift["repeated"].items()})
+    return skipped_and_repeated(saved, resumed, checkpoint_step, samples, epochs)
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +197,46 @@ def test_raise_stops_a_ddp_resume_on_every_rank_before_any_micro_batch(ddp):
     for rank in stopped:
         assert rank["error"] == "StepSyncConfigError" and rank["trained"] == []
         assert "resume with gradient_accumulation_steps=2" in rank["error_message"]
+
+
+@pytest.mark.parametrize("base, step, world, gas, expected", [
+    ("one", 6, 2, None, ({3: 12}, {})),
+    ("two", 3, 1, None, ({}, {1: 1, 2: 6})),
+    ("one", 4, 2, 2, ({}, {})),
+])
+def test_inspect_reads_a_checkpoint_saved_without_stepsync_as_the_callback_does(ddp, base, step, world, gas, expected):
+    """`stepsync inspect --world-size W --examples N`: the layout read from the files, the same samples said as the
+    resumes above trained."""
+    out, _ = ddp
+    folder = out / "none" / base / f"checkpoint-{step}"
+    samples = 12 if base == "one" else 10
+    args = ["inspect", str(folder), "--world-size", str(world), "--examples", str(samples), "--quick", "--json"]
+    resume = json.loads(stepsync_cli(*args, *(["--gas", str(gas)] if gas else [])).stdout)["resume_on"][0]
+    shift = resume["shift"]
+    said_here = ({}, {}) if shift is None else ({int(k): v for k, v in shift["skipped"].items()},
+                                                {int(k): v for k, v in shift["repeated"].items()})
+    assert said_here == expected and resume["works"] == (expected == ({}, {}))
+    if shift is not None:
+        assert "rng_state files" in shift["read_from_files"]
+    without = json.loads(stepsync_cli("inspect", str(folder), "--world-size", str(world), "--quick", "--json").stdout)
+    assert "give --examples N" in without["resume_on"][0]["notes"][0]
+
+
+def test_resume_settings_convert_a_partitioned_checkpoint_once_and_name_the_layout(zero2, tmp_path):
+    """A ZeRO-2 checkpoint saved on 1 rank, for 2: refused with the conversion named, or converted when asked (by
+    DeepSpeed's own ds_to_universal), with the G that keeps the global batch and lands."""
+    import shutil
+
+    import stepsync
+    from stepsync.core.errors import StepSyncConfigError
+
+    out, _, _ = zero2
+    copy = tmp_path / "checkpoint-4"
+    shutil.copytree(out / "z2" / "checkpoint-4", copy, ignore=shutil.ignore_patterns("*_universal"))
+    with pytest.raises(StepSyncConfigError, match="ds_to_universal"):
+        stepsync.resume_settings(str(copy), 2, 1, 4)
+    settings = stepsync.resume_settings(str(copy), 2, 1, 4, convert=True)
+    assert settings.load_universal and settings.training_arguments()["gradient_accumulation_steps"] == 2
+    assert (copy / "global_step4_universal" / "stepsync_converted").is_file()
+    again = stepsync.resume_settings(str(copy), 2, 1, 4, convert=True)  # converted once: found, not redone
+    assert again.load_universal and not any("converted" in note for note in again.notes)

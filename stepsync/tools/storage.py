@@ -1,0 +1,65 @@
+"""Where a run's checkpoints live, each with its step: the Trainer's ``output_dir`` (``checkpoint-N/``) and Ray
+Train's storage (``<storage_path>/<name>/checkpoint_<timestamp>/checkpoint/``: the folder Ray names by the time of
+the report, the Trainer's checkpoint inside, its step in its ``trainer_state.json``). Pure file reading."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import List, NamedTuple, Optional
+
+from ..core.errors import AuditInputError
+from ..core.record import TRAINER_STATE, step_of
+
+RAY_CHECKPOINT = re.compile(r"^checkpoint_\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}(?:\.\d+)?$")
+RAY_INNER = "checkpoint"  # RayTrainReportCallback's name for the Trainer's checkpoint inside Ray's folder
+
+
+class Located(NamedTuple):
+    """One Trainer checkpoint: its name as shown, the folder that holds its files, and its step (None where it
+    cannot be read)."""
+
+    name: str
+    path: str
+    step: Optional[int]
+
+
+def step_in_trainer_state(folder: str) -> Optional[int]:
+    """``global_step`` in ``folder``'s ``trainer_state.json``, or None."""
+    try:
+        with open(os.path.join(folder, TRAINER_STATE)) as handle:
+            step = json.load(handle).get("global_step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def locate(path: str) -> Optional[Located]:
+    """The checkpoint ``path`` names: a ``checkpoint-N`` folder, Ray Train's ``checkpoint_<timestamp>`` folder or its
+    ``checkpoint/`` inside, or any folder holding a ``trainer_state.json`` (Ray's ``as_directory()`` copy); None for
+    a folder that holds several (an output_dir, Ray's run folder)."""
+    path = os.path.normpath(path)
+    name = os.path.basename(path)
+    if step_of(path) is not None:
+        return Located(name, path, step_of(path))
+    inner = os.path.join(path, RAY_INNER)
+    if RAY_CHECKPOINT.match(name) or (not os.path.isfile(os.path.join(path, TRAINER_STATE))
+                                      and os.path.isfile(os.path.join(inner, TRAINER_STATE))):
+        return Located(name, inner, step_in_trainer_state(inner))
+    if os.path.isfile(os.path.join(path, TRAINER_STATE)):
+        parent = os.path.basename(os.path.dirname(path))
+        shown = parent if name == RAY_INNER and RAY_CHECKPOINT.match(parent) else name
+        return Located(shown, path, step_in_trainer_state(path))
+    return None
+
+
+def checkpoints_under(path: str) -> List[Located]:
+    """Every checkpoint in a Trainer ``output_dir`` or a Ray Train run's storage folder, ordered by step; a Ray
+    folder whose step cannot be read comes last, by name (its audit says why)."""
+    if not os.path.isdir(path):
+        raise AuditInputError(f"{path!r} is not a directory: pass the Trainer's output_dir or Ray Train's run folder")
+    found = [Located(name, os.path.join(path, name), step_of(name)) for name in os.listdir(path)
+             if step_of(name) is not None]
+    found += [located for name in os.listdir(path) if RAY_CHECKPOINT.match(name)
+              and (located := locate(os.path.join(path, name))) is not None]
+    return sorted(found, key=lambda item: (item.step is None, item.step or 0, item.name))

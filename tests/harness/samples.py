@@ -1,0 +1,27 @@
+"""What a resumed run really trained, from the samples every rank recorded (tests/multiprocess/relayout_runs.py's
+recording Trainer), never from stepsync."""
+from collections import Counter
+
+
+def skipped_and_repeated(saved, resumed, checkpoint_step, samples, epochs):
+    """(skipped, repeated) per 1-based epoch, from the samples every rank trained: the saved run up to its
+    checkpoint, then the resumed run."""
+    counts = {epoch: Counter() for epoch in range(epochs)}
+    for rank in saved:
+        for epoch, step_before, indices in rank["trained"]:
+            if step_before < checkpoint_step:
+                counts[epoch].update(indices)
+    for rank in resumed:
+        for epoch, _, indices in rank["trained"]:
+            counts[epoch].update(indices)
+    skipped = {e + 1: samples - len(c) for e, c in counts.items() if samples - len(c)}
+    repeated = {e + 1: sum(n - 1 for n in c.values()) for e, c in counts.items() if sum(n - 1 for n in c.values())}
+    return skipped, repeated
+
+
+def said(rank):
+    """(skipped, repeated) as stepsync's report on ``rank`` says them ({} and {} where it says no shift)."""
+    shift = rank["report"]["resume_shift"] if rank.get("report") else None
+    if shift is None:
+        return {}, {}
+    return ({int(k): v for k, v in shift["skipped"].items()}, {int(k): v for k, v in shift["repeated"].items()})
