@@ -31,7 +31,8 @@ for stack in $stacks; do
   case "$stack" in
     drifting|aligned) tests=(tests) ;;
     lightning) tests=(tests/unit/test_lightning_versions.py tests/integration/test_lightning.py
-                      tests/integration/test_fabric.py tests/multiprocess/test_lightning_two_processes.py) ;;
+                      tests/integration/test_fabric.py tests/multiprocess/test_lightning_two_processes.py
+                      tests/multiprocess/test_lightning_resume.py) ;;
     l[0-9]*) tests=(tests/integration/test_lightning.py tests/integration/test_fabric.py) ;;
     # The last release before bf16's overflow check (the updates it applies although not finite), and one that
     # drops micro-batches under ZeRO-2 with offload (stepsync verify and the start's warning).

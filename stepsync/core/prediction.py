@@ -208,7 +208,7 @@ def what_the_updates_miss(forecast: Forecast) -> List[str]:
 def shift_fact(shift: ResumeShift) -> str:
     """A resume's shift in a few words, with its fix."""
     fix = (f"resume with {', or '.join(shift.fixes)}" if shift.fixes else
-           f"no layout on {shift.resumed.world_size} rank(s) lands there")
+           shift.advice or f"no layout on {shift.resumed.world_size} rank(s) lands there")
     return (f"the resume on another layout skips {sum(shift.skipped.values())} and trains "
             f"{sum(shift.repeated.values())} sample(s) twice ({fix})")
 

@@ -72,6 +72,8 @@ class ResumeShift:
             the same layouts whole.
         read_from_files: how the saved layout was learnt where the checkpoint holds no stepsync record ("" where
             the record kept it).
+        placement: how the framework places the resume, in words ("" for the Trainer's own placement at ``lands``);
+            ``advice``: the fix where no other layout helps ("" for the Trainer's).
     """
 
     saved: Layout
@@ -84,6 +86,8 @@ class ResumeShift:
     fixes: List[str] = field(default_factory=list)
     read_from_files: str = ""
     fixed_layouts: List[Layout] = field(default_factory=list)
+    placement: str = ""
+    advice: str = ""
 
     @property
     def exact(self) -> bool:
@@ -100,13 +104,14 @@ class ResumeShift:
                         "trained")
         if self.repeated:
             what.append(f"train {sum(self.repeated.values())} sample(s) twice ({_per_epoch(self.repeated)})")
-        fix = ("; resume with " + ", or ".join(self.fixes)) if self.fixes else (
+        fix = ("; resume with " + ", or ".join(self.fixes)) if self.fixes else f"; {self.advice}" if self.advice else (
             f"; no layout on {self.resumed.world_size} rank(s) lands there (the Trainer places a resume by whole "
             "updates of the new layout): resume on the saved layout, or accept the shift")
         source = f" ({self.read_from_files})" if self.read_from_files else ""
-        return (f"checkpoint saved on {self.saved.describe()}{source}, resumed on {self.resumed.describe()}: the "
-                f"Trainer places the resume at epoch {self.lands[0] + 1}, sample {self.lands[1]} of its order, while "
-                f"the run stood at epoch {self.stood[0] + 1}, sample {self.stood[1]}; it will "
+        placed = self.placement or (f"the Trainer places the resume at epoch {self.lands[0] + 1}, sample "
+                                    f"{self.lands[1]} of its order")
+        return (f"checkpoint saved on {self.saved.describe()}{source}, resumed on {self.resumed.describe()}: "
+                f"{placed}, while the run stood at epoch {self.stood[0] + 1}, sample {self.stood[1]}; it will "
                 f"{' and '.join(what)}{fix}")
 
     def to_dict(self) -> dict:
@@ -152,6 +157,34 @@ def resume_shift(saved: Layout, resumed: Layout, global_step: int, stood: Tuple[
     if not shift.exact:
         found = _fixes(saved, resumed, global_step, stood, planned)
         shift.fixes, shift.fixed_layouts = [change for change, _ in found], [layout for _, layout in found]
+    return shift
+
+
+REPLAY_ADVICE = ("resume from a checkpoint saved at an epoch's end, on the number of ranks it was saved on, or give "
+                 "Lightning a dataloader that keeps its place (one with state_dict and load_state_dict, such as "
+                 "torchdata's StatefulDataLoader)")
+
+
+def replayed_epoch_shift(saved: Layout, resumed: Layout, stood: Tuple[int, int], epoch: int, done: int,
+                         batches_per_epoch: int, epochs: Optional[int] = None) -> ResumeShift:
+    """A resume that restarts ``epoch`` (0-based) from the start of its order and runs only the batches its count
+    says are left (``batches_per_epoch - done`` on each rank): Lightning's, with a dataloader that keeps no state.
+    Every epoch's order is the same on any number of ranks (a distributed sampler shards one order), so what each
+    side trained of an epoch is a prefix of it."""
+    examples = saved.examples
+    trained = min(examples, max(batches_per_epoch - done, 0) * resumed.samples_per_micro_batch)
+    shift = ResumeShift(saved, resumed, 0, stood, (epoch, 0), placement=(
+        f"Lightning restarts epoch {epoch + 1} from the start of its order and runs the {batches_per_epoch - done} "
+        f"batch(es) a rank has left of {batches_per_epoch} (its dataloader keeps no place)"), advice=REPLAY_ADVICE)
+    for x in range(min(stood[0], epoch), max(stood[0], epoch) + 1):
+        if epochs is not None and x >= epochs:
+            break
+        before = examples if x < stood[0] else stood[1] if x == stood[0] else 0
+        after = 0 if x < epoch else trained if x == epoch else examples
+        if examples - max(before, after):
+            shift.skipped[x + 1] = examples - max(before, after)
+        if min(before, after):
+            shift.repeated[x + 1] = min(before, after)
     return shift
 
 

@@ -12,6 +12,7 @@ from ..core.frameworks import LIGHTNING
 from ..core.lightning_versions import LightningStack, lightning_behaviour_of
 from ..core.plan import RunPlan
 from ..core.record import ResumeRecord
+from ..core.relayout import position, replayed_epoch_shift
 from ..display.output import ConsoleOutput
 from ..engine.faults import Adapter, guarded
 from ..engine.lifecycle import RunStart, close_run, idle_report, open_run
@@ -121,10 +122,18 @@ class StepSyncCallback(Callback, Adapter):
         # drop_last ends Lightning's epochs itself (before they start): the run's action only watches
         action = WatchOnly(Policy.DROP_LAST) if self.policy is Policy.DROP_LAST else action_for(self.policy)
         self._last_count = trainer.global_step
+        record = None if self._saved is None else ResumeRecord.from_dict(self._saved)
+        layout = lightning_facts.data_layout(trainer, g)
+        shift = None
+        if record is not None and record.layout is not None and layout is not None and n is not None \
+                and not lightning_facts.keeps_its_place(trainer):
+            stood = position(record.layout, record.next_epoch, record.next_skip)
+            shift = replayed_epoch_shift(record.layout, layout, stood, epoch, batch_idx, self._batches or n,
+                                         trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None)
         open_run(RunStart(LIGHTNING, self.policy, engine, behaviour, self._batches or n, g, self.output,
                           is_main=trainer.is_global_zero, trainer_steps=trainer.global_step, planned_by_forecast=True,
                           plan=plan, start_epoch=epoch, skip=batch_idx, action=action, checks_every_micro_batch=True,
-                          record=None if self._saved is None else ResumeRecord.from_dict(self._saved),
+                          record=record, layout=layout, shift=None if shift is None or shift.exact else shift,
                           asked_clip=lightning_facts.asked_clip(trainer), clip_fix=lightning_facts.CLIP_FIX),
                  self._keep)
 

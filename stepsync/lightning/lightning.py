@@ -7,6 +7,7 @@ import math
 from typing import Any, Optional
 
 from ..core.frameworks import LIGHTNING
+from ..core.relayout import Layout
 from ..engine.deepspeed import is_engine
 
 
@@ -41,6 +42,28 @@ def batches_per_epoch(trainer: Any) -> Optional[int]:
     """Micro-batches Lightning runs in an epoch on one rank (``limit_train_batches`` applied); None when unknown."""
     n = trainer.num_training_batches
     return int(n) if isinstance(n, (int, float)) and not math.isinf(n) and n > 0 else None
+
+
+def data_layout(trainer: Any, g: int) -> Optional[Layout]:
+    """How the train dataloader splits the data: the ranks a distributed sampler shards it over (1 where every rank
+    reads all of it), its batch size and the dataset's length; None where the dataloader does not say."""
+    loader = getattr(trainer, "train_dataloader", None)
+    batch = getattr(loader, "batch_size", None)
+    try:
+        examples = len(loader.dataset)  # type: ignore[union-attr]
+    except (AttributeError, TypeError):
+        return None
+    if not isinstance(batch, int) or batch < 1 or examples < 1:
+        return None
+    sharded = "distributed" in type(getattr(loader, "sampler", None)).__name__.lower()
+    return Layout(int(trainer.world_size) if sharded else 1, batch, g, examples)
+
+
+def keeps_its_place(trainer: Any) -> bool:
+    """The train dataloader saves and restores its position (``state_dict``/``load_state_dict``): Lightning then
+    resumes inside an epoch where it stood, instead of restarting the epoch's order."""
+    loader = getattr(trainer, "train_dataloader", None)
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 
 
 def end_epochs_after(trainer: Any, batches: int) -> None:

@@ -28,6 +28,29 @@ def end_process_group() -> None:
     os._exit(0)
 
 
+def torchrun_phase(script: str, out, name: str, world: int, args, timeout: float = 600, **env_vars) -> list:
+    """``torchrun --nproc_per_node world script out name *args`` on a free port of 127.0.0.1 (a run that hangs fails
+    the test); each rank's OUT/NAME-R.json."""
+    import socket
+    import subprocess
+    import sys
+
+    import pytest
+
+    env = child_env(dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", **env_vars))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", port,
+               script, str(out), name, *map(str, args)]
+    try:
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{name} hung: {exc}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.load(open(os.path.join(out, f"{name}-{rank}.json"))) for rank in range(world)]
+
+
 def forget_deepspeed() -> None:
     """Make this process's next run one without DeepSpeed: a DeepSpeed run leaves it switched on in accelerate's
     shared state, in transformers' global config and in the environment (ACCELERATE_USE_DEEPSPEED and its kin)."""

@@ -4,13 +4,11 @@ training_step); the fix it names trains every sample once; raise stops every ran
 left waiting fails the test instead of hanging CI."""
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
-
-from harness.runs import child_env
+from harness.runs import child_env, torchrun_phase
 from harness.samples import said, skipped_and_repeated
 from harness.stack import STACK, needs_stack
 
@@ -22,19 +20,9 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "relayout_runs.py")
 def launch(out, name, world, samples, gas, epochs, policy="warn", checkpoint=None, stage=0, universal=False):
     """One phase on ``world`` ranks (``stage`` "none": without DeepSpeed); each rank's record."""
     out.mkdir(parents=True, exist_ok=True)
-    env = child_env(dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
-                         STEPSYNC_ZERO_STAGE=str(stage), STEPSYNC_LOAD_UNIVERSAL="1" if universal else "0"))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", port,
-               SCRIPT, str(out), name, str(samples), str(gas), str(epochs), policy] + ([checkpoint] if checkpoint else [])
-    try:
-        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{name} hung: {exc}")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.load(open(out / f"{name}-{rank}.json")) for rank in range(world)]
+    args = [samples, gas, epochs, policy] + ([checkpoint] if checkpoint else [])
+    return torchrun_phase(SCRIPT, out, name, world, args, STEPSYNC_ZERO_STAGE=str(stage),
+                          STEPSYNC_LOAD_UNIVERSAL="1" if universal else "0")
 
 
 def truth(saved, resumed, checkpoint_step, samples, epochs):

@@ -177,3 +177,21 @@ def test_a_truncated_json_file_is_never_said_to_be_deleted(tmp_path):
     with pytest.raises(ValueError) as raised:
         read_json(str(path), "trainer_state.json")
     assert "restore it from a copy" in str(raised.value) and "delete" not in str(raised.value)
+
+
+@pytest.mark.parametrize("saved, resumed, stood, epoch, done, batches, expected", [
+    # The real Lightning runs of tests/multiprocess/test_lightning_resume.py: 12 samples, batch 1, G=2, 3 epochs.
+    (Layout(2, 1, 2, 12), Layout(1, 1, 2, 12), (1, 0), 1, 6, 12, ({2: 6}, {})),
+    (Layout(2, 1, 2, 12), Layout(1, 1, 2, 12), (1, 4), 1, 2, 12, ({2: 2}, {2: 4})),
+    (Layout(2, 1, 2, 12), Layout(2, 1, 2, 12), (1, 4), 1, 2, 6, ({2: 4}, {2: 4})),
+    (Layout(2, 1, 2, 12), Layout(2, 1, 2, 12), (1, 0), 1, 0, 6, ({}, {})),
+    (Layout(1, 1, 2, 12), Layout(2, 1, 2, 12), (0, 8), 0, 0, 6, ({}, {1: 8})),
+    (Layout(1, 1, 2, 12), Layout(2, 1, 2, 12), (1, 4), 1, 4, 6, ({2: 8}, {2: 4})),
+])
+def test_a_replayed_epoch_is_said_as_lightning_trains_it(saved, resumed, stood, epoch, done, batches, expected):
+    from stepsync.core.relayout import replayed_epoch_shift
+
+    shift = replayed_epoch_shift(saved, resumed, stood, epoch, done, batches, 3)
+    assert (shift.skipped, shift.repeated) == expected
+    if not shift.exact:
+        assert "Lightning restarts epoch" in shift.message() and "StatefulDataLoader" in shift.message()
