@@ -9,7 +9,7 @@ places a resume with its own arithmetic on the new layout (``epochs = global_ste
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from . import rules
 from .versions import PlannedSteps
@@ -134,6 +134,15 @@ def landing(layout: Layout, global_step: int, planned: PlannedSteps) -> Tuple[in
     return (global_step // per_epoch if per_epoch else 0), min(skip * layout.samples_per_micro_batch, layout.examples)
 
 
+def example_landing(layout: Layout, global_step: int) -> Tuple[int, int]:
+    """(0-based epoch, sample position) where transformers' run_*_no_trainer.py examples resume from ``step_N`` on
+    ``layout``: ``N * G`` micro-batches of the new dataloader, whole epochs first (``skip_first_batches``), as if
+    every update took G micro-batches (an epoch's short last window does not)."""
+    n = layout.micro_batches_per_epoch
+    at = global_step * layout.gradient_accumulation_steps
+    return at // n, min((at % n) * layout.samples_per_micro_batch, layout.examples)
+
+
 def position(layout: Layout, epoch: int, micro_batches: int) -> Tuple[int, int]:
     """(0-based epoch, sample position) of a run on ``layout`` after ``micro_batches`` of ``epoch``; the end of an
     epoch is the start of the next."""
@@ -142,11 +151,14 @@ def position(layout: Layout, epoch: int, micro_batches: int) -> Tuple[int, int]:
 
 
 def resume_shift(saved: Layout, resumed: Layout, global_step: int, stood: Tuple[int, int], planned: PlannedSteps,
-                 epochs: Optional[int] = None) -> ResumeShift:
+                 epochs: Optional[int] = None, place: Optional[Callable[[Layout, int], Tuple[int, int]]] = None
+                 ) -> ResumeShift:
     """The shift of a resume on ``resumed`` from a checkpoint at ``global_step`` saved while the run on ``saved``
     stood at ``stood`` (0-based epoch, sample position); ``epochs``: the run's epochs (what lies past them is never
-    trained either way)."""
-    lands = landing(resumed, global_step, planned)
+    trained either way); ``place``: where the resuming code lands on a layout (default: the Trainer's
+    :func:`landing` under ``planned``)."""
+    place = place or (lambda layout, step: landing(layout, step, planned))
+    lands = place(resumed, global_step)
     shift = ResumeShift(saved, resumed, global_step, stood, lands)
     span = _between(stood, lands, saved.examples) if lands > stood else _between(lands, stood, saved.examples)
     span = {epoch: n for epoch, n in span.items() if epochs is None or epoch <= epochs}
@@ -155,7 +167,7 @@ def resume_shift(saved: Layout, resumed: Layout, global_step: int, stood: Tuple[
     elif lands < stood:
         shift.repeated = span
     if not shift.exact:
-        found = _fixes(saved, resumed, global_step, stood, planned)
+        found = _fixes(saved, resumed, global_step, stood, place)
         shift.fixes, shift.fixed_layouts = [change for change, _ in found], [layout for _, layout in found]
     return shift
 
@@ -200,7 +212,7 @@ def _between(start: Tuple[int, int], end: Tuple[int, int], examples: int) -> Dic
 
 
 def _fixes(saved: Layout, resumed: Layout, global_step: int, stood: Tuple[int, int],
-           planned: PlannedSteps) -> List[Tuple[str, Layout]]:
+           place: Callable[[Layout, int], Tuple[int, int]]) -> List[Tuple[str, Layout]]:
     """The changes on ``resumed``'s ranks that keep the global batch and land exactly where the run stood, each with
     the layout it makes."""
     found: List[Tuple[str, Layout]] = []
@@ -212,6 +224,6 @@ def _fixes(saved: Layout, resumed: Layout, global_step: int, stood: Tuple[int, i
         fixed = Layout(w, batch, gas, saved.examples, resumed.zero_stage) if batch >= 1 and gas >= 1 else None
         if fixed is None or w * batch * gas != keep or any(change == known for known, _ in found):
             continue
-        if landing(fixed, global_step, planned) == stood:
+        if place(fixed, global_step) == stood:
             found.append((change, fixed))
     return found

@@ -1,12 +1,14 @@
 """``stepsync.resume_settings``: before ``TrainingArguments`` are built, the settings that make a resume on the ranks
 a launcher hands out (Ray Train's elastic restarts, ``torchrun --nnodes MIN:MAX``) land where the run stood, and
-DeepSpeed's refusal of a partitioned checkpoint on another number of ranks named before anything loads.
+DeepSpeed's refusal of a partitioned checkpoint on another number of ranks named before anything loads; the same for
+an accelerate loop that resumes as transformers' run_*_no_trainer.py examples do.
 
 Pure file reading (no pickle is run), except the one conversion it is asked for (DeepSpeed's ``ds_to_universal``).
 """
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -14,12 +16,13 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from ..core.errors import StepSyncConfigError
-from ..core.relayout import ResumeShift
-from ..core.versions import MEASURED_TRANSFORMERS, Stack, behaviour_of, installed_version
+from ..core.relayout import Layout, ResumeShift, example_landing, landing, resume_shift
+from ..core.versions import MEASURED_TRANSFORMERS, PlannedSteps, Stack, behaviour_of, installed_version
 from .audit import audit_checkpoint
 from .resume_audit import resume_on
 from .storage import locate
 
+RANDOM_STATES = re.compile(r"^random_states_(\d+)\.pkl$")  # accelerator.save_state's, one per process
 CONVERTED = "stepsync_converted"  # written into the universal copy once DeepSpeed's conversion has finished
 
 
@@ -69,7 +72,7 @@ class ResumeSettings:
 
 def resume_settings(checkpoint: Optional[str], world_size: int, per_device_train_batch_size: int,
                     gradient_accumulation_steps: int, examples: Optional[int] = None,
-                    convert: bool = False) -> ResumeSettings:
+                    convert: bool = False, loop: str = "trainer") -> ResumeSettings:
     """The settings that make a resume of ``checkpoint`` on ``world_size`` ranks land where the run stood.
 
     Call it in the training function, with the world size the launcher hands out and the batch and G the run was
@@ -84,6 +87,9 @@ def resume_settings(checkpoint: Optional[str], world_size: int, per_device_train
         convert: where DeepSpeed would refuse the checkpoint (ZeRO >= 1 saved on other ranks), convert it once to
             DeepSpeed's universal format here (the first process to get here does, the others wait) instead of
             raising.
+        loop: ``"trainer"``, or ``"accelerate"`` for a loop that resumes as transformers' run_*_no_trainer.py
+            examples do (``checkpoint``: their ``step_N`` or ``epoch_N`` folder from ``save_state``, its ranks read
+            from its ``random_states_R.pkl`` files, its batch and G taken as the ones given; ``examples`` needed).
 
     Raises:
         StepSyncConfigError: DeepSpeed would refuse the checkpoint on ``world_size`` ranks and ``convert`` is False;
@@ -94,10 +100,15 @@ def resume_settings(checkpoint: Optional[str], world_size: int, per_device_train
                         ("gradient_accumulation_steps", gradient_accumulation_steps)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+    if loop not in ("trainer", "accelerate"):
+        raise ValueError(f"loop={loop!r}: choose 'trainer' or 'accelerate'")
     settings = ResumeSettings(world_size, per_device_train_batch_size, gradient_accumulation_steps)
     if checkpoint is None:
         settings.notes.append("no checkpoint: a fresh start, nothing to resume")
         return settings
+    if loop == "accelerate":
+        return _apply(settings, example_shift(os.fspath(checkpoint), world_size, per_device_train_batch_size,
+                                              gradient_accumulation_steps, examples, settings.notes))
     located = locate(os.fspath(checkpoint))
     if located is None or not os.path.isdir(located.path):
         raise ValueError(f"{os.fspath(checkpoint)!r} holds no Trainer checkpoint: pass a checkpoint-N folder or Ray "
@@ -117,9 +128,14 @@ def resume_settings(checkpoint: Optional[str], world_size: int, per_device_train
     elif audit.universal and audit.zero_stage and audit.saved_world_size not in (None, world_size):
         settings.load_universal = True
     settings.notes += verdict.notes
-    shift = verdict.shift
+    if verdict.shift is None and verdict.notes and not settings.load_universal:
+        settings.lands_exactly = None
+    return _apply(settings, verdict.shift)
+
+
+def _apply(settings: ResumeSettings, shift: Optional[ResumeShift]) -> ResumeSettings:
+    """The settings that land where ``shift`` says the run stood (None: nothing to change)."""
     if shift is None:
-        settings.lands_exactly = None if verdict.notes and not settings.load_universal else True
         return settings
     settings.shift = None if shift.exact else shift
     if shift.exact:
@@ -133,6 +149,37 @@ def resume_settings(checkpoint: Optional[str], world_size: int, per_device_train
         settings.lands_exactly = False
         settings.notes.append(shift.message())
     return settings
+
+
+def example_shift(folder: str, world_size: int, batch: int, gas: int, examples: Optional[int],
+                  notes: List[str]) -> Optional[ResumeShift]:
+    """What the run_*_no_trainer.py examples' resume from ``folder`` does on ``world_size`` ranks (None: lands)."""
+    kind, _, number = os.path.basename(os.path.normpath(folder)).partition("_")
+    if kind not in ("step", "epoch") or not number.isdigit():
+        raise ValueError(f"{folder!r}: pass the step_N or epoch_N folder accelerator.save_state() wrote")
+    if kind == "epoch":
+        notes.append("an epoch_N checkpoint: the examples start the next epoch whole, on any number of ranks")
+        return None
+    ranks = {int(m.group(1)) for m in map(RANDOM_STATES.match, os.listdir(folder)) if m}
+    if not ranks:
+        raise ValueError(f"{folder!r} holds no random_states_R.pkl: pass a folder accelerator.save_state() wrote")
+    if examples is None:
+        raise ValueError("examples=... (the training set's length) is needed to place an accelerate loop's resume")
+    saved, resumed = Layout(max(ranks) + 1, batch, gas, examples), Layout(world_size, batch, gas, examples)
+    step = int(number)
+    stood = landing(saved, step, PlannedSteps.CEIL)  # accumulate(): ceil(N/G) updates an epoch, the last one short
+    shift = resume_shift(saved, resumed, step, stood, PlannedSteps.CEIL, place=example_landing)
+    same = saved.world_size == world_size
+    if shift.exact and same:
+        return None
+    shift.read_from_files = (f"{len(ranks)} rank(s) read from its random_states files, batch {batch} and G={gas} "
+                             "taken as the ones given")
+    shift.placement = (f"the examples' arithmetic ({step} updates x G={gas} micro-batches, whole epochs first) places "
+                       f"the resume at epoch {shift.lands[0] + 1}, sample {shift.lands[1]} of its order")
+    count = "skip the micro-batches your loop really trained in that epoch (save the count with the checkpoint)"
+    shift.advice = (f"the examples count G micro-batches for an epoch's short last update: {count}" if same else
+                    f"no batch or G on these ranks lands there: resume on the saved layout, or {count}")
+    return shift
 
 
 def convert_to_universal(folder: str, tag: str, timeout: float = 3600.0) -> str:

@@ -117,3 +117,24 @@ def test_a_partitioned_checkpoint_is_refused_before_anything_loads(tmp_path):
     settings = stepsync.resume_settings(str(folder), 1, 1, 4, examples=12)
     assert settings.load_universal and settings.deepspeed_config({"gradient_accumulation_steps": 4}) == {
         "gradient_accumulation_steps": 8, "checkpoint": {"load_universal": True}}
+
+
+def test_an_accelerate_loop_resumed_as_the_examples_resume(tmp_path):
+    """The examples' arithmetic, on folders accelerator.save_state() writes (the real runs:
+    tests/multiprocess/test_accelerate_resume.py)."""
+    one = tmp_path / "step_4"
+    one.mkdir()
+    (one / "random_states_0.pkl").write_bytes(b"")
+    settings = stepsync.resume_settings(str(one), 2, 1, 4, examples=12, loop="accelerate")
+    assert settings.shift.skipped == {2: 8, 3: 8} and settings.gradient_accumulation_steps == 2
+    assert "the examples' arithmetic (4 updates x G=4 micro-batches" in settings.message()
+    assert stepsync.resume_settings(str(one), 1, 1, 4, examples=12, loop="accelerate").shift is None
+    epoch = tmp_path / "epoch_1"
+    epoch.mkdir()
+    assert "start the next epoch whole" in stepsync.resume_settings(str(epoch), 2, 1, 4, loop="accelerate").message()
+    with pytest.raises(ValueError, match="examples=... .the training set's length"):
+        stepsync.resume_settings(str(one), 2, 1, 4, loop="accelerate")
+    with pytest.raises(ValueError, match="pass the step_N or epoch_N folder"):
+        stepsync.resume_settings(str(tmp_path), 2, 1, 4, examples=12, loop="accelerate")
+    with pytest.raises(ValueError, match="loop='lightning': choose 'trainer' or 'accelerate'"):
+        stepsync.resume_settings(str(one), 2, 1, 4, loop="lightning")
