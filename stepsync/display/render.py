@@ -54,10 +54,19 @@ def forecast_table(forecast: Forecast, title: Optional[str] = None) -> Table:
             columns.append((header, _shown(field)))
     title = title or (f"stepsync forecast: N={plan.micro_batches_per_epoch} micro-batches/epoch, "
                       f"G={plan.gradient_accumulation_steps}, policy '{forecast.policy.value}'")
-    rows = [[cell(row) for _, cell in columns] for row in forecast.epochs]
+    epochs = forecast.epochs
+    shown = epochs if len(epochs) <= SHOWN_EPOCHS else epochs[:SHOWN_EPOCHS // 2] + epochs[-SHOWN_EPOCHS // 2:]
+    rows = [[cell(row) for _, cell in columns] for row in shown]
+    table_caption = str(forecast.behaviour.stack)
+    if len(shown) < len(epochs):  # a long run: its first and last epochs (--json has them all)
+        rows.insert(SHOWN_EPOCHS // 2, ["..."] * len(columns))
+        table_caption += f"; {len(epochs) - len(shown)} epochs between not shown (--json has every one)"
     table = _table(title, [header for header, _ in columns], rows)
-    table.caption = str(forecast.behaviour.stack)
+    table.caption = table_caption
     return table
+
+
+SHOWN_EPOCHS = 20  # a forecast table longer than this shows its first and last epochs only
 
 
 def verdict_text(forecast: Forecast) -> Text:

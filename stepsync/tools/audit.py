@@ -67,9 +67,19 @@ class CheckpointAudit:
         return not self.mismatches and not self.problems
 
     @property
+    def counted(self) -> int:
+        """The Trainer's count a resume from here carries: its ``trainer_state.json``'s (a renamed folder keeps
+        it), or the folder's where stepsync's record explains the state's (the data position it keeps there)."""
+        state, record = self.trainer_state_step, self.record
+        if state is None or (record is not None and record.trainer_steps == self.trainer_step
+                             and record.resume_steps == state):
+            return self.trainer_step
+        return state
+
+    @property
     def drift(self) -> Optional[int]:
-        """What a resume from here inherits: Trainer step minus DeepSpeed step."""
-        return None if self.deepspeed_step is None else self.trainer_step - self.deepspeed_step
+        """What a resume from here inherits: the Trainer's count minus DeepSpeed's step."""
+        return None if self.deepspeed_step is None else self.counted - self.deepspeed_step
 
     def to_dict(self) -> dict:
         data = asdict(replace(self, record=None))
@@ -97,8 +107,10 @@ class OutputAudit:
         bad = [c.name for c in self.checkpoints if not c.ok]
         head = f"{len(bad)} of {len(self.checkpoints)} checkpoint(s) need attention ({', '.join(bad)}); " if bad else ""
         if safe is None:
-            return head + "no checkpoint is safe to resume from: each one would carry drift or missing files in"
-        return head + f"safe to resume from: {safe.name} (a resume inherits drift {safe.drift or 0:+d})"
+            return head + "no checkpoint is safe to resume from: each one carries drift or missing files into a resume"
+        inherits = (f"a resume inherits drift {safe.drift:+d}" if safe.drift is not None else
+                    "no DeepSpeed files: no engine count to compare")
+        return head + f"safe to resume from: {safe.name} ({inherits})"
 
     def to_dict(self) -> dict:
         safe = self.safe
@@ -145,8 +157,12 @@ def audit_checkpoint(path: str, verify_data: bool = True, located: Optional[Loca
         audit.problems.append(f"{name} is empty: the save did not complete; delete it")
         return audit
     _read_trainer_state(audit)
+    try:
+        audit.record = checkpoint.load_record(audit.path)
+    except ValueError as exc:
+        audit.problems.append(f"{audit.name}: stepsync's record is unreadable ({exc})")
     _read_deepspeed(audit, entries, verify_data)
-    _read_record(audit)
+    _check_record(audit)
     return audit
 
 
@@ -220,10 +236,10 @@ def _without_latest(audit: CheckpointAudit, entries: List[str], verify_data: boo
 
 
 def _compare_steps(audit: CheckpointAudit) -> None:
-    if audit.deepspeed_step != audit.trainer_step:
+    if audit.deepspeed_step != audit.counted:
         tag = f"global_step{audit.deepspeed_step}"
         audit.mismatches.append(
-            f"{audit.name} holds DeepSpeed's {tag}: the Trainer counted {audit.trainer_step} updates, the engine "
+            f"{audit.name} holds DeepSpeed's {tag}: the Trainer counted {audit.counted} updates, the engine "
             f"made {audit.deepspeed_step} (drift {audit.drift:+d}, the DeepSpeed issue 7405 pattern); "
             "a resume inherits it: resume with StepSyncCallback(policy='realign') or use policy='sync' from the start")
 
@@ -264,18 +280,15 @@ def _read_tag_folder(audit: CheckpointAudit, entries: List[str], verify_data: bo
                                   "a resume fails there; resume from an earlier checkpoint")
 
 
-def _read_record(audit: CheckpointAudit) -> None:
-    try:
-        audit.record = checkpoint.load_record(audit.path)
-    except ValueError as exc:
-        audit.problems.append(f"{audit.name}: stepsync's record is unreadable ({exc})")
+def _check_record(audit: CheckpointAudit) -> None:
     record = audit.record
     state_step = audit.trainer_state_step
-    if state_step is not None and state_step != audit.trainer_step:
-        explained = (record is not None and record.trainer_steps == audit.trainer_step
-                     and record.resume_steps == state_step)
-        if not explained:
-            audit.mismatches.append(f"{audit.name}: trainer_state.json says global_step {state_step}")
+    if state_step is not None and audit.counted == state_step != audit.trainer_step:  # unexplained by a record
+        audit.mismatches.append(
+            f"{audit.name}: its name says step {audit.trainer_step} but its trainer_state.json says global_step "
+            f"{state_step}: the folder was renamed or copied. A resume from it carries {state_step}; "
+            "transformers' get_last_checkpoint picks folders by their name: give it back its name "
+            f"checkpoint-{state_step}")
     if record is not None and audit.deepspeed_step is not None and record.engine_steps != audit.deepspeed_step:
         audit.mismatches.append(f"{audit.name}: stepsync recorded engine step {record.engine_steps}, DeepSpeed's tag "
                                 f"is {audit.deepspeed_tag}")

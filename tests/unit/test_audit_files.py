@@ -62,3 +62,30 @@ def test_a_save_that_stopped_before_latest_is_not_a_nodes_copy(tmp_path):
     item = audit_output_dir(str(tmp_path)).checkpoints[0]
     assert not item.node_local and "DeepSpeed's save did not finish" in item.problems[0]
     assert item.drift == 0
+
+
+def test_a_renamed_folder_is_said_renamed_not_drift(tmp_path):
+    """checkpoint-9 holding a run's step 4 (trainer_state.json and DeepSpeed's tag both say 4): no drift, a name."""
+    folder = checkpoint(tmp_path, 4, [0], 0, 1)
+    folder.rename(tmp_path / "checkpoint-9")
+    item = audit_output_dir(str(tmp_path)).checkpoints[0]
+    assert item.drift == 0 and item.counted == 4
+    (said,) = item.mismatches
+    assert "its name says step 9 but its trainer_state.json says global_step 4: the folder was renamed" in said
+    assert "7405" not in said and "realign" not in said
+
+
+def test_the_7405_pattern_is_still_drift(tmp_path):
+    checkpoint(tmp_path, 800, [0], 0, 1, engine_step=799)
+    item = audit_output_dir(str(tmp_path)).checkpoints[0]
+    assert item.drift == 1 and "the DeepSpeed issue 7405 pattern" in item.mismatches[0]
+
+
+def test_an_output_dir_without_deepspeed_is_not_said_to_inherit_drift(tmp_path):
+    folder = tmp_path / "checkpoint-3"
+    folder.mkdir()
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
+    write_torch_archive(folder / "rng_state.pth", {})
+    audit = audit_output_dir(str(tmp_path))
+    assert audit.ok and audit.checkpoints[0].drift is None
+    assert audit.verdict() == "safe to resume from: checkpoint-3 (no DeepSpeed files: no engine count to compare)"
