@@ -98,7 +98,7 @@ def build(path, as_of, requirements, editable=None):
         uv = uv_command()
         _run([*uv, "venv", "-q", "--seed", "-p", sys.executable, path])
         dated = ["--exclude-newer", f"{as_of}T23:59:59Z"]
-        pinned = [r.split("==")[0] for r in requirements if "==" in r]  # a pin is exact: the date is for the rest
+        pinned = [r.split("==")[0].split("[")[0] for r in requirements if "==" in r]  # exact: the date is for the rest
         for name in (*TORCH_DEPENDENCIES, *pinned):
             dated += ["--exclude-newer-package", f"{name}=2100-01-01T00:00:00Z"]
         torch = [wheel] if wheel else []

@@ -38,10 +38,11 @@ def __getattr__(name):
     try:
         value = getattr(import_module(f".{module}", __name__), name)
     except ImportError as exc:
+        from ._install import install_hint
+
         if name == "StepSyncCallback":  # the light install (stepsync check / inspect only)
             raise ImportError(f"StepSyncCallback needs transformers ({exc}): it runs inside your Trainer's "
-                              "environment; pip install 'stepsync[trainer]' to install the training packages") from exc
-        raise ImportError(f"stepsync needs {exc.name or 'a package'} ({exc}): pip install stepsync (or, in a "
-                          "clone, pip install .)") from exc
+                              f"environment; {install_hint('trainer')} installs the training packages") from exc
+        raise ImportError(f"stepsync needs {exc.name or 'a package'} ({exc}): {install_hint()}") from exc
     globals()[name] = value  # found once, then a plain attribute
     return value

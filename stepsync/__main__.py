@@ -4,8 +4,9 @@ import sys
 try:
     from .tools.cli import main
 except ImportError as exc:  # run without installing stepsync's own requirements
-    print(f"stepsync: error: a package stepsync needs is missing ({exc}): pip install . (or pip install stepsync)",
-          file=sys.stderr)
+    from ._install import install_hint
+
+    print(f"stepsync: error: a package stepsync needs is missing ({exc}): {install_hint()}", file=sys.stderr)
     sys.exit(2)
 
 sys.exit(main())

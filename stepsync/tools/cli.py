@@ -10,6 +10,7 @@ from typing import List, Optional
 
 from rich.console import Console
 
+from .._install import install_hint
 from .._version import __version__
 from ..core.choices import Policy
 from ..core.forecast import forecast
@@ -39,8 +40,8 @@ commands:
   demo      a real Trainer + DeepSpeed run on CPU, live (needs the training packages)
 
 exit status: 0 aligned or consistent, 1 drift, an early end or a mismatch, 2 bad input."""
-INSTALL_TRAINING = ("pip install torch==2.13.0 (the CPU build; any torch your project uses), then "
-                    "pip install 'stepsync[trainer]' (or: bash scripts/demo.sh, which builds its own environment)")
+INSTALL_TRAINING = (f"pip install torch==2.13.0 (the CPU build; any torch your project uses), then "
+                    f"{install_hint('trainer')} (or: bash scripts/demo.sh, which builds its own environment)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,7 +235,7 @@ def run_lightning_demo(args) -> int:
     missing = [p for p in ("torch", "lightning", "deepspeed") if installed_version(p) is None]
     if missing:
         print(f"stepsync: error: stepsync demo --framework lightning needs {', '.join(missing)}: pip install "
-              "torch==2.13.0 (the CPU build), then pip install 'stepsync[lightning]' (or: bash scripts/demo.sh "
+              f"torch==2.13.0 (the CPU build), then {install_hint('lightning')} (or: bash scripts/demo.sh "
               "--framework lightning)", file=sys.stderr)
         return EXIT_BAD_INPUT
     return subprocess.call([sys.executable, "-m", "stepsync.tools.demo_lightning", "--samples", str(args.samples),
@@ -267,8 +268,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"stepsync: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except ImportError as exc:  # run without installing stepsync's own requirements
-        print(f"stepsync: error: a package stepsync needs is missing ({exc}): pip install . (or pip install "
-              "stepsync)", file=sys.stderr)
+        print(f"stepsync: error: a package stepsync needs is missing ({exc}): {install_hint()}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except BrokenPipeError:  # the reader closed the pipe (`| head`): end quietly, as a shell tool does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush must not fail too

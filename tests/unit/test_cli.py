@@ -202,7 +202,9 @@ def test_check_refuses_realign_for_lightning_with_the_reason():
 @pytest.mark.skipif(importlib.util.find_spec("lightning") is not None, reason="names what a stack without it misses")
 def test_the_lightning_demo_without_lightning_names_the_install():
     proc = stepsync("demo", "--framework", "lightning")
-    assert proc.returncode == 2 and "pip install 'stepsync[lightning]'" in proc.stderr
+    from harness.paths import REPO
+
+    assert proc.returncode == 2 and f"pip install '{REPO}[lightning]'" in proc.stderr  # the clone it runs from
 
 
 def test_check_of_a_lightning_configuration_imports_neither_lightning_nor_torch():

@@ -1,4 +1,5 @@
 """A newcomer's first hour: install, find the command line, read output that fits a log, trust check."""
+import importlib.util
 import io
 import json
 import logging
@@ -224,10 +225,10 @@ def test_the_light_install_runs_check_and_inspect_and_names_the_rest(tmp_path):
     out = fake_output_dir(tmp_path / "out", [(2, 2)])
     assert subprocess.run([str(bin_dir / "stepsync"), "inspect", str(out)], capture_output=True).returncode == 0
     demo = subprocess.run([str(bin_dir / "stepsync"), "demo"], capture_output=True, text=True)
-    assert demo.returncode == 2 and "pip install 'stepsync[trainer]'" in demo.stderr
+    assert demo.returncode == 2 and f"pip install '{ROOT}[trainer]'" in demo.stderr  # where it was installed from
     callback = subprocess.run([str(bin_dir / "python"), "-c", "import stepsync; stepsync.StepSyncCallback"],
                               capture_output=True, text=True)
-    assert callback.returncode == 1 and "pip install 'stepsync[trainer]'" in callback.stderr
+    assert callback.returncode == 1 and f"pip install '{ROOT}[trainer]'" in callback.stderr
 
 
 def test_running_from_a_clone_without_installing_names_the_install_command(tmp_path):
@@ -237,7 +238,7 @@ def test_running_from_a_clone_without_installing_names_the_install_command(tmp_p
     proc = subprocess.run([str(venv / "bin" / "python"), "-m", "stepsync", "check", "--samples", "3", "--gas", "2"],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "a package stepsync needs is missing" in proc.stderr and "pip install ." in proc.stderr
+    assert "a package stepsync needs is missing" in proc.stderr and f"pip install '{ROOT}'" in proc.stderr
 
 
 def test_a_huge_number_of_epochs_is_summarised_not_printed_whole():
@@ -252,3 +253,29 @@ def test_a_huge_number_of_epochs_is_summarised_not_printed_whole():
     data = json.loads(subprocess.run([sys.executable, "-m", "stepsync", *args, "--json"], capture_output=True,
                                      text=True, timeout=60).stdout)
     assert len(data["epochs"]) == 100000
+
+
+def test_a_script_beside_the_clone_imports_the_installed_package(tmp_path):
+    """The README's clone line leaves a folder beside the user's script: named stepsync, it would shadow the installed
+    package (`cannot import name 'StepSyncCallback' from 'stepsync' (unknown location)`)."""
+    import re
+
+    line = next(line for line in open(os.path.join(ROOT, "README.md")) if line.startswith("git clone <this repository>"))
+    folder = re.match(r"git clone <this repository> (\S+) && pip install \./(\S+)", line)
+    assert folder and folder.group(1) == folder.group(2)
+    (tmp_path / folder.group(1)).mkdir()
+    (tmp_path / folder.group(1) / "setup.cfg").write_text("")  # the clone's root: no __init__.py, as in git
+    script = tmp_path / "train.py"
+    script.write_text("import stepsync\nprint(stepsync.Policy.SYNC.value)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # stepsync as the stack installed it
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "sync", proc.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is not None, reason="names what a stack without it misses")
+def test_stepsync_lightning_without_lightning_names_the_install():
+    proc = subprocess.run([sys.executable, "-c", "from stepsync.lightning import StepSyncCallback"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1 and "ModuleNotFoundError" not in proc.stderr.splitlines()[-1]
+    assert "stepsync.lightning needs Lightning, torch and DeepSpeed" in proc.stderr
+    assert f"pip install '{ROOT}[lightning]'" in proc.stderr

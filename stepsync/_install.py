@@ -1,0 +1,27 @@
+"""The pip command that installs stepsync's extras from where this stepsync came from: its clone (a ``setup.cfg``
+beside the package), or the folder or wheel pip recorded (``direct_url.json``); the package name only where pip
+installed it from an index. Every install hint stepsync prints comes from here."""
+from __future__ import annotations
+
+import json
+import os
+from importlib import metadata
+from typing import Optional
+
+
+def source() -> Optional[str]:
+    """The clone, folder or wheel this stepsync was installed from, or None (an index, or unknown)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isfile(os.path.join(root, "setup.cfg")):
+        return root
+    try:
+        url = json.loads(metadata.distribution("stepsync").read_text("direct_url.json") or "{}").get("url", "")
+    except (metadata.PackageNotFoundError, ValueError, AttributeError):
+        return None
+    return url[len("file://"):] if url.startswith("file://") else None
+
+
+def install_hint(extra: Optional[str] = None) -> str:
+    """``pip install '<where stepsync came from>[extra]'``."""
+    where = source() or "stepsync"
+    return f"pip install '{where}[{extra}]'" if extra else f"pip install '{where}'"
