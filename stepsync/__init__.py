@@ -5,6 +5,7 @@ is loaded on first use. ``StepSyncCallback`` needs transformers (the training en
 forecast, the report and the command line's ``check`` and ``inspect`` do not.
 """
 from ._version import __version__ as __version__
+from .core.install import install_hint as _install_hint
 
 # public name -> the module that defines it (loaded on first use)
 _PUBLIC = {
@@ -38,11 +39,9 @@ def __getattr__(name):
     try:
         value = getattr(import_module(f".{module}", __name__), name)
     except ImportError as exc:
-        from ._install import install_hint
-
         if name == "StepSyncCallback":  # the light install (stepsync check / inspect only)
             raise ImportError(f"StepSyncCallback needs transformers ({exc}): it runs inside your Trainer's "
-                              f"environment; {install_hint('trainer')} installs the training packages") from exc
-        raise ImportError(f"stepsync needs {exc.name or 'a package'} ({exc}): {install_hint()}") from exc
+                              f"environment; {_install_hint('trainer')} installs the training packages") from exc
+        raise ImportError(f"stepsync needs {exc.name or 'a package'} ({exc}): {_install_hint()}") from exc
     globals()[name] = value  # found once, then a plain attribute
     return value

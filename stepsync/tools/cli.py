@@ -10,11 +10,11 @@ from typing import List, Optional
 
 from rich.console import Console
 
-from .._install import install_hint
 from .._version import __version__
 from ..core.choices import Policy
 from ..core.forecast import forecast
 from ..core.frameworks import LIGHTNING
+from ..core.install import install_hint
 from ..core.lightning_versions import MEASURED_LIGHTNING, LightningStack, lightning_behaviour_of
 from ..core.plan import RunPlan
 from ..core.record import TRAINER_STATE, load_record, read_json

@@ -11,7 +11,7 @@ from typing import Optional
 
 def source() -> Optional[str]:
     """The clone, folder or wheel this stepsync was installed from, or None (an index, or unknown)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # stepsync/core/ -> root
     if os.path.isfile(os.path.join(root, "setup.cfg")):
         return root
     try:
