@@ -20,8 +20,7 @@ counts 4 updates, DeepSpeed makes 3.
 This notebook runs on CPU: a tiny GPT-2 built from a config, the real Trainer, the real DeepSpeed engine.
 The test suite runs it on the drifting stack (`bash scripts/test.sh`)."""),
 md("## 1. The forecast, before any training"),
-code("""from stepsync.core.forecast import RunPlan, forecast
-from stepsync.core.versions import Stack, behaviour_of
+code("""from stepsync import RunPlan, Stack, behaviour_of, forecast
 
 stack = Stack.installed()
 predicted = forecast(RunPlan(micro_batches_per_epoch=3, gradient_accumulation_steps=2, num_train_epochs=2),
@@ -30,10 +29,49 @@ print(stack)
 print(predicted.verdict())
 [(row.epoch, row.trainer_steps, row.engine_steps) for row in predicted.epochs]"""),
 md("## 2. A real run that drifts (stepsync only watches: policy `warn`)"),
-code("""import logging, tempfile
+code("""import os, socket, tempfile
+
+import deepspeed.ops
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+# One process on a CPU: DeepSpeed's rendezvous on a free port, gloo, and no build of its optional shared-memory op.
+with socket.socket() as free:
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
+                  WORLD_SIZE="1")
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+DS_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+             "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 0},
+             "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}},
+             "zero_allow_untested_optimizer": True}
+
+
+class Sequences(torch.utils.data.Dataset):
+    \"\"\"``samples`` fixed sequences of 8 tokens: data in memory.\"\"\"
+
+    def __init__(self, samples):
+        self.rows = torch.randint(0, 64, (samples, 8), generator=torch.Generator().manual_seed(1))
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def tiny_trainer(samples, gas, epochs, callbacks):
+    \"\"\"A tiny GPT-2 built from a config (nothing downloaded), the real Trainer and DeepSpeed on CPU.\"\"\"
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    args = TrainingArguments(tempfile.mkdtemp(), per_device_train_batch_size=1, gradient_accumulation_steps=gas,
+                             num_train_epochs=epochs, learning_rate=1e-2, report_to=[], disable_tqdm=True,
+                             logging_strategy="no", save_strategy="no", use_cpu=True, deepspeed=DS_CONFIG)
+    return Trainer(model=model, args=args, train_dataset=Sequences(samples), callbacks=callbacks)"""),
+code("""import logging
 from transformers import TrainerCallback
 from stepsync import StepSyncCallback
-from stepsync.tools.tiny_run import run_tiny
 
 
 class Counters(TrainerCallback):
@@ -58,8 +96,9 @@ class Counters(TrainerCallback):
 
 def counted_run(policy):
     counters, sync = Counters(), StepSyncCallback(policy, console=False)
-    run_tiny(tempfile.mkdtemp(), samples=3, gas=2, epochs=2, log_level="error", logging_strategy="no",
-             callbacks=[counters, sync], on_trainer=counters.watch)
+    trainer = tiny_trainer(samples=3, gas=2, epochs=2, callbacks=[counters, sync])
+    counters.watch(trainer)
+    trainer.train()
     return counters, sync.report
 
 

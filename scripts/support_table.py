@@ -1,7 +1,7 @@
 """Measure one stack's support cases, or render the README's support table from the stored measurements.
 
     python scripts/support_table.py measure STACK      (with that stack's python; writes tests/support/<stack>.json)
-    python scripts/support_table.py render             (rewrites the table in README.md)
+    python scripts/support_table.py render             (rewrites the table in docs/releases.md)
 
 scripts/support_table.sh does both for every stack.
 """
@@ -27,7 +27,7 @@ def main(argv) -> int:
             handle.write("\n")
         return 0
     if argv == ["render"]:
-        path = os.path.join(ROOT, "README.md")
+        path = os.path.join(ROOT, "docs", "releases.md")
         readme = open(path).read()
         with open(path, "w") as handle:
             handle.write(support.replace_table(readme, support.render_table(support.load(STORE))))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerate the README's support table from real runs on every stack (builds missing stacks first).
+# Regenerate docs/releases.md's support table from real runs on every stack (builds missing stacks first).
 # Usage: bash scripts/support_table.sh [STACK ...]   (default: every stack of tests/harness/matrix.py)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -14,4 +14,4 @@ for stack in ${@:-$(bash scripts/stack.sh --list)}; do
   echo "measured $stack in $(( $(date +%s) - start )) s"
 done
 "$(bash scripts/stack.sh aligned)/bin/python" scripts/support_table.py render
-echo "README.md support table rewritten from tests/support/*.json"
+echo "docs/releases.md support table rewritten from tests/support/*.json"

@@ -1,8 +1,8 @@
 """The support table: what each tested stack does, without stepsync and under each policy, from real runs.
 
 ``scripts/support_table.sh`` runs :func:`measure` with every stack's python, stores each result in
-``tests/support/<stack>.json`` and rewrites the README's table with :func:`render_table`; the tests
-re-run the cases on the stack they run on and compare with the stored file, and compare the README
+``tests/support/<stack>.json`` and rewrites docs/releases.md's table with :func:`render_table`; the tests
+re-run the cases on the stack they run on and compare with the stored file, and compare docs/releases.md
 with the stored files. Everything here but :func:`measure` is pure.
 """
 from __future__ import annotations
@@ -212,7 +212,7 @@ def _cell(result: dict, case: Case) -> str:
 
 
 def render_table(measured: Dict[str, dict]) -> str:
-    """The README's support table (markdown), one row per stack and case."""
+    """docs/releases.md's support table (markdown), one row per stack and case."""
     lines = ["| stack | transformers / accelerate / deepspeed | case | without stepsync (Trainer / engine) | "
              + " | ".join(f"`{p}`" for p in POLICIES[1:]) + " |",
              "|---" * (4 + len(POLICIES) - 1) + "|"]
@@ -238,7 +238,7 @@ def replace_table(readme: str, table: str) -> str:
     """``readme`` with the text between the support-table markers replaced by ``table``."""
     bounds = _table_bounds(readme)
     if bounds is None:
-        raise ValueError(f"README has no support table markers: add {TABLE_START!r} and {TABLE_END!r}")
+        raise ValueError(f"docs/releases.md has no support table markers: add {TABLE_START!r} and {TABLE_END!r}")
     return readme[: bounds[0]] + "\n" + table + "\n" + readme[bounds[1]:]
 
 

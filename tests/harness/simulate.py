@@ -1,6 +1,6 @@
 """Brute-force simulation of the Trainer loop and the engine, one micro-batch at a time.
 
-It follows the Trainer's loop as written upstream (the README's "What each release does, probed"), with no closed form,
+It follows the Trainer's loop as written upstream (docs/releases.md, "What each release does, probed"), with no closed form,
 so that the forecast's arithmetic can be checked against it.
 """
 from __future__ import annotations

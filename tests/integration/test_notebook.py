@@ -49,3 +49,14 @@ def png_sizes(notebook_path):
 def test_the_stored_plot_is_large_enough_to_read():
     sizes = png_sizes(NOTEBOOK)
     assert sizes and all(width >= 800 and height >= 300 for width, height in sizes), sizes
+
+
+def test_the_notebook_uses_the_public_api_only():
+    """Its code can be copied into a project: stepsync's names come from ``stepsync`` itself."""
+    import json
+    import re
+
+    cells = json.load(open(NOTEBOOK))["cells"]
+    code = "\n".join("".join(cell["source"]) for cell in cells if cell["cell_type"] == "code")
+    assert "from stepsync import" in code and re.findall(r"\bstepsync\.\w+\.", code) == []
+    assert re.findall(r"from stepsync\.\w+", code) == []

@@ -41,3 +41,27 @@ def test_every_test_file_has_a_name_of_its_own():
     listed = subprocess.run(["git", "ls-files", "tests"], capture_output=True, text=True, cwd=REPO).stdout.split()
     names = [os.path.basename(name) for name in listed if os.path.basename(name).startswith("test_")]
     assert sorted(set(names)) == sorted(names)
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    """README.md and docs/*.md link each other and the repository's files: every such link names a real file."""
+    pages = [name for name, _ in repository_text() if name == "README.md" or (name.startswith("docs/")
+                                                                               and name.endswith(".md"))]
+    assert "README.md" in pages and len(pages) > 5
+    broken = []
+    for name in pages:
+        text = open(os.path.join(REPO, name)).read()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue  # a URL or an anchor on the same page
+            path = os.path.normpath(os.path.join(REPO, os.path.dirname(name), target.split("#")[0]))
+            if not os.path.exists(path):
+                broken.append(f"{name}: {target}")
+    assert broken == []
+
+
+def test_the_landing_page_is_short_and_links_every_docs_page():
+    readme = open(os.path.join(REPO, "README.md")).read()
+    assert len(readme.splitlines()) <= 200
+    listed = subprocess.run(["git", "ls-files", "docs"], capture_output=True, text=True, cwd=REPO).stdout.split()
+    assert listed and all(f"({page})" in readme for page in listed if page.endswith(".md"))
