@@ -4,8 +4,12 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 start=$(date +%s)
-echo "stepsync demo: 1/3 installing uv, the fast installer (skipped when present)"
-command -v uv >/dev/null || python3 -m pip install -q uv || echo "stepsync demo: no uv; pip will build the stack (slower)"
+if command -v uv >/dev/null; then
+  echo "stepsync demo: 1/3 uv, the fast installer, is here"
+else
+  echo "stepsync demo: 1/3 installing uv, the fast installer, into $(python3 -c 'import sys; print(sys.prefix)') with pip (remove it later with: python3 -m pip uninstall uv)"
+  python3 -m pip install -q uv || echo "stepsync demo: no uv; pip will build the stack (slower)"
+fi
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
 if [ "${1:-}" = "--framework" ] && [ "${2:-}" = "lightning" ]; then
   echo "stepsync demo: 2/3 building the Lightning stack in .stacks/lightning (torch CPU, lightning 2.6.6, deepspeed 0.19.8; about 30 s the first time, seconds after)"
