@@ -77,8 +77,10 @@ def main(argv=None) -> int:
             console.print(callback.report.forecast.verdict())
         if error is not None:
             console.print(f"[red]{type(error).__name__}: {error}")
+        dropped = sum(callback.report.dropped_micro_batches.values())
         finals.append(f"policy '{policy.value}': Lightning {callback.report.trainer_steps}, engine "
-                      f"{callback.report.engine_steps}")
+                      f"{callback.report.engine_steps}"
+                      + (f" ({dropped} micro-batch(es) left untrained: whole windows only)" if dropped else ""))
     console.rule("result")
     console.print("; ".join(finals))
     return 0

@@ -125,3 +125,12 @@ def test_demo_compare_shows_the_drift_and_the_fix():
         assert "policy 'warn': Trainer 4, engine 4 (drift +0)" in flat
     # A pipe gets 80 columns: nothing cut.
     assert [line for line in out.splitlines() if "…" in line or len(line) > 80] == []
+    # Its checkpoints are there for inspect, which names the drift the first run's carry.
+    import tempfile
+
+    saved = os.path.join(tempfile.gettempdir(), "stepsync-demo", "warn")
+    assert f"stepsync inspect {saved}" in flat
+    inspected = subprocess.run([sys.executable, "-m", "stepsync", "inspect", saved, "--quick", "--json"],
+                               env=child_env(), capture_output=True, text=True, timeout=120)
+    steps = [c["trainer_step"] for c in json.loads(inspected.stdout)["checkpoints"]]
+    assert steps == [2, 4] and inspected.returncode == (1 if DRIFTS else 0)
