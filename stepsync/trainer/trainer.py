@@ -109,9 +109,14 @@ def move_global_step_back(trainer: Any, state: Any, value: int) -> None:
     The Trainer logs the loss summed since its last log divided by ``global_step - _globalstep_last_logged``;
     a count moved back would shrink that divisor while the sum keeps every window, so the mark moves back too.
     """
+    back = state.global_step - value
     mark = getattr(trainer, "_globalstep_last_logged", None)
     if isinstance(mark, int) and not isinstance(mark, bool):
-        trainer._globalstep_last_logged = mark - (state.global_step - value)
+        trainer._globalstep_last_logged = mark - back
+    # transformers >= 5 divides the run's summed loss by global_step minus this at the end: the windows it summed
+    initial = getattr(trainer, "_initial_global_step", None)
+    if isinstance(initial, int) and not isinstance(initial, bool):
+        trainer._initial_global_step = initial - back
     state.global_step = value
 
 

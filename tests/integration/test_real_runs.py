@@ -232,3 +232,18 @@ def test_realign_logs_the_mean_loss_of_the_windows_it_merges(tmp_path):
     else:
         expected = windows
     assert realigned == pytest.approx(expected, rel=1e-5)
+
+
+def test_realign_keeps_the_final_train_loss_a_mean(tmp_path):
+    """realign moves the count back while the Trainer's loss sum keeps every window: transformers >= 5 divides that
+    sum by the count at the end, so the windows are given back to its divisor (it gave 1.5x warn's value here)."""
+    from stepsync.core.versions import installed_version, parse_version
+
+    if parse_version(installed_version("transformers")) < parse_version("5.0.0"):
+        pytest.skip("transformers < 5 divides by the whole global_step; see docs/policies.md")
+    losses = {}
+    for policy in ("warn", "realign"):
+        result = run(tmp_path / policy, 7, 3, 2, policy=policy)
+        assert result.error is None
+        losses[policy] = result.trainer.state.log_history[-1]["train_loss"]
+    assert abs(losses["realign"] / losses["warn"] - 1) < 0.1, losses
