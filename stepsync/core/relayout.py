@@ -68,8 +68,8 @@ class ResumeShift:
         stood: (0-based epoch, sample position) where the saved run's next micro-batch was.
         lands: (0-based epoch, sample position) where the Trainer resumes on the new layout.
         skipped, repeated: per 1-based epoch, samples never trained and trained twice.
-        fixes: layouts on as many ranks that land exactly, each said as the change to make; ``fixed_layouts``
-            the same layouts whole.
+        fixed_layouts: layouts on as many ranks that land exactly (each changes G or the batch); ``fixes`` says
+            each as the change to make.
         read_from_files: how the saved layout was learnt where the checkpoint holds no stepsync record ("" where
             the record kept it).
         placement: how the framework places the resume, in words ("" for the Trainer's own placement at ``lands``);
@@ -83,7 +83,6 @@ class ResumeShift:
     lands: Tuple[int, int]
     skipped: Dict[int, int] = field(default_factory=dict)
     repeated: Dict[int, int] = field(default_factory=dict)
-    fixes: List[str] = field(default_factory=list)
     read_from_files: str = ""
     fixed_layouts: List[Layout] = field(default_factory=list)
     placement: str = ""
@@ -92,6 +91,13 @@ class ResumeShift:
     @property
     def exact(self) -> bool:
         return not self.skipped and not self.repeated
+
+    @property
+    def fixes(self) -> List[str]:
+        """Each of ``fixed_layouts`` as the one setting it changes."""
+        return [f"gradient_accumulation_steps={layout.gradient_accumulation_steps}"
+                if layout.gradient_accumulation_steps != self.resumed.gradient_accumulation_steps
+                else f"per_device_train_batch_size={layout.per_device_batch}" for layout in self.fixed_layouts]
 
     def message(self) -> str:
         """What the Trainer will do, and how to resume exactly."""
@@ -167,8 +173,7 @@ def resume_shift(saved: Layout, resumed: Layout, global_step: int, stood: Tuple[
     elif lands < stood:
         shift.repeated = span
     if not shift.exact:
-        found = _fixes(saved, resumed, global_step, stood, place)
-        shift.fixes, shift.fixed_layouts = [change for change, _ in found], [layout for _, layout in found]
+        shift.fixed_layouts = _fixes(saved, resumed, global_step, stood, place)
     return shift
 
 
@@ -212,18 +217,16 @@ def _between(start: Tuple[int, int], end: Tuple[int, int], examples: int) -> Dic
 
 
 def _fixes(saved: Layout, resumed: Layout, global_step: int, stood: Tuple[int, int],
-           place: Callable[[Layout, int], Tuple[int, int]]) -> List[Tuple[str, Layout]]:
-    """The changes on ``resumed``'s ranks that keep the global batch and land exactly where the run stood, each with
-    the layout it makes."""
-    found: List[Tuple[str, Layout]] = []
+           place: Callable[[Layout, int], Tuple[int, int]]) -> List[Layout]:
+    """The layouts on ``resumed``'s ranks, G or the batch changed, that keep the global batch and land exactly where
+    the run stood."""
+    found: List[Layout] = []
     w, b, g, keep = resumed.world_size, resumed.per_device_batch, resumed.gradient_accumulation_steps, \
         saved.samples_per_update
-    candidates = ((b, keep // (w * b), f"gradient_accumulation_steps={keep // (w * b)}"),
-                  (keep // (w * g), g, f"per_device_train_batch_size={keep // (w * g)}"))
-    for batch, gas, change in candidates:
-        fixed = Layout(w, batch, gas, saved.examples, resumed.zero_stage) if batch >= 1 and gas >= 1 else None
-        if fixed is None or w * batch * gas != keep or any(change == known for known, _ in found):
+    for batch, gas in ((b, keep // (w * b)), (keep // (w * g), g)):
+        if batch < 1 or gas < 1 or w * batch * gas != keep:
             continue
-        if place(fixed, global_step) == stood:
-            found.append((change, fixed))
+        fixed = Layout(w, batch, gas, saved.examples, resumed.zero_stage)
+        if fixed not in found and place(fixed, global_step) == stood:
+            found.append(fixed)
     return found

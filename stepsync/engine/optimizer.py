@@ -31,12 +31,11 @@ class OptimizerSteps:
         facts: what a run learns of it: no boundary to steer, no skip counter, no ZeRO stage or precision.
     """
 
-    __slots__ = ("global_steps", "micro_steps", "_handle")
+    __slots__ = ("global_steps", "_handle")
     facts = EngineFacts(None, False, NOT_AN_ENGINE, counts_skips=False, deepspeed=False)
 
     def __init__(self, optimizer: Any, start: int) -> None:
         self.global_steps = start
-        self.micro_steps = 0
         self._handle = optimizer.register_step_post_hook(self._stepped)
 
     def _stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -19,13 +19,13 @@ from ..core.lightning_versions import MEASURED_LIGHTNING, LightningStack, lightn
 from ..core.plan import RunPlan
 from ..core.record import TRAINER_STATE, load_record, read_json
 from ..core.relayout import Layout
-from ..core.versions import MEASURED_TRANSFORMERS, Stack, behaviour_of, installed_version
+from ..core.versions import Stack, behaviour_of, installed_version
 from ..display.render import audit_view, forecast_view
 from .arguments import policy_name, positive_epochs, positive_int
 from .audit import audit_output_dir
 from .config import deepspeed_config_of, from_training_args, resolve, versions_for, weight_faults_of
 from .demo import run_demo
-from .resume_audit import resume_on
+from .resume_audit import planned_here, resume_on
 from .verify import FRAMEWORK_CALLS, verify_command
 
 EXIT_ALIGNED, EXIT_DRIFTS, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_CLOSED_PIPE = 0, 1, 2, 130, 141  # SIGINT, SIGPIPE
@@ -204,7 +204,7 @@ def run_inspect(args) -> int:
     audit = audit_output_dir(args.output_dir, verify_data=not args.quick)  # a checkpoint-N folder: that one only
     resumes = []
     if args.world_size is not None:
-        planned = behaviour_of(Stack(installed_version("transformers") or MEASURED_TRANSFORMERS[-1])).planned_steps
+        planned = planned_here()
         resumes = [resume_on(item, args.world_size, planned, args.batch_size, args.gas, args.examples)
                    for item in audit.checkpoints]
     elif args.batch_size is not None or args.gas is not None or args.examples is not None:

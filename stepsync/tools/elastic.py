@@ -17,9 +17,9 @@ from typing import List, Optional
 
 from ..core.errors import StepSyncConfigError
 from ..core.relayout import Layout, ResumeShift, example_landing, landing, resume_shift
-from ..core.versions import MEASURED_TRANSFORMERS, PlannedSteps, Stack, behaviour_of, installed_version
+from ..core.versions import PlannedSteps
 from .audit import audit_checkpoint
-from .resume_audit import resume_on
+from .resume_audit import planned_here, resume_on
 from .storage import locate
 
 RANDOM_STATES = re.compile(r"^random_states_(\d+)\.pkl$")  # accelerator.save_state's, one per process
@@ -115,7 +115,7 @@ def resume_settings(checkpoint: Optional[str], world_size: int, per_device_train
                          "Train's checkpoint directory")
     folder = located.path
     audit = audit_checkpoint(folder, verify_data=False, located=located)
-    planned = behaviour_of(Stack(installed_version("transformers") or MEASURED_TRANSFORMERS[-1])).planned_steps
+    planned = planned_here()
     verdict = resume_on(audit, world_size, planned, per_device_train_batch_size, gradient_accumulation_steps,
                         examples)
     if verdict.refused is not None:

@@ -10,7 +10,7 @@ from typing import List, Optional
 
 from ..core.record import layout_from_files, record_at
 from ..core.relayout import Layout, ResumeShift
-from ..core.versions import PlannedSteps
+from ..core.versions import MEASURED_TRANSFORMERS, PlannedSteps, Stack, behaviour_of, installed_version
 from .audit import CheckpointAudit
 
 
@@ -44,6 +44,11 @@ class ResumeOn:
     def to_dict(self) -> dict:
         return {"name": self.name, "world_size": self.world_size, "works": self.works, "refused": self.refused,
                 "shift": self.shift.to_dict() if self.shift else None, "notes": list(self.notes)}
+
+
+def planned_here() -> PlannedSteps:
+    """How the installed transformers plans its epochs (the newest measured release's way where it is missing)."""
+    return behaviour_of(Stack(installed_version("transformers") or MEASURED_TRANSFORMERS[-1])).planned_steps
 
 
 def resume_on(audit: CheckpointAudit, world_size: int, planned: PlannedSteps, per_device_batch: Optional[int] = None,
