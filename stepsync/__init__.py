@@ -15,7 +15,7 @@ _PUBLIC = {
     "Cause": "core.events", "DriftEvent": "core.events",
     "StepSyncError": "core.errors", "StepDriftError": "core.errors", "StepSyncConfigError": "core.errors",
     "UpdateSkippedError": "core.errors", "SkippedUpdate": "core.events",
-    "NonFiniteUpdateError": "core.errors", "NonFiniteUpdate": "core.events",
+    "NonFiniteUpdateError": "core.errors", "NonFiniteUpdate": "core.events", "UnsafeCheckpointError": "core.errors",
     "SyncReport": "core.report",
     "Stack": "core.versions", "behaviour_of": "core.versions",
     "StepSyncCallback": "trainer.callback",

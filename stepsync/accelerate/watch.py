@@ -7,6 +7,8 @@ restarts at an epoch, so the two counts drift exactly as the Trainer's do.
 
 The watch wraps the accelerator instance's ``backward`` (and ``accumulate``, to see whether a backward runs
 inside it): before each backward it reads accelerate's own ``sync_gradients``, after it the engine's count.
+``save_state`` gets stepsync's record written into the folder (and a save that would lose micro-batches said);
+``load_state`` reads it back, so that a resumed loop's report continues from the saved counts.
 Nothing else is touched; under ``warn`` the run is exactly what it would be without it.
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ..engine.lifecycle import RunStart, close_run, idle_report, open_run, say_t
 from ..engine.loop_objects import InstancePatches, LoopAdapter, length_of
 from ..engine.policies import loop_action_for
 from ..engine.run import Run
+from .checkpoints import LoopCheckpoints
 
 OUTSIDE_ACCUMULATE = ("accelerator.backward() ran outside `with accelerator.accumulate(model):` with "
                       "gradient_accumulation_steps={g}: there sync_gradients stays True, so {effect}; put the "
@@ -71,6 +74,10 @@ class LoopWatch(LoopAdapter):
         self._said_outside = False
         self._said_clip = False
         self._counts_update = False
+        self._since_loop_update = 0
+        self._num_epochs = num_epochs
+        self._opened: Optional[RunStart] = None  # what the run opened from, until training starts
+        self._checkpoints = LoopCheckpoints(accelerator)
         self._patches = InstancePatches()
         self.loop_steps = 0
         self._start(dataloader, num_epochs, asked_g)
@@ -106,10 +113,11 @@ class LoopWatch(LoopAdapter):
                                         framework=ACCELERATE_LOOP)
         plan = None if n is None or num_epochs is None else RunPlan(n, g, num_epochs, -1, 0, engine.global_steps)
         in_force = engine_facts(engine).gradient_accumulation_steps or g  # accelerate < 1.8 may keep the code's G
-        open_run(RunStart(ACCELERATE_LOOP, self.policy, engine, behaviour, n, g, self.output,
-                          is_main=bool(getattr(getattr(accelerator, "state", None), "is_main_process", True)),
-                          plan=plan, action=loop_action_for(self.policy), asked_g=g_asked(asked_g, in_force)),
-                 self._keep)
+        self._opened = RunStart(ACCELERATE_LOOP, self.policy, engine, behaviour, n, g, self.output,
+                                is_main=bool(getattr(getattr(accelerator, "state", None), "is_main_process", True)),
+                                plan=plan, action=loop_action_for(self.policy), asked_g=g_asked(asked_g, in_force))
+        # The forecast waits for the first micro-batch: a load_state before it changes where the loop starts.
+        open_run(self._opened, self._keep, training_starts=False)
         if n is None and self._run is not None:
             self._run.note("no dataloader length: pass dataloader=... to stepsync.watch() for a forecast")
         self._wrap()
@@ -146,11 +154,34 @@ class LoopWatch(LoopAdapter):
         self._patches.set(accelerator, "backward", watched_backward)
         self._patches.set(accelerator, "accumulate", watched_accumulate)
         self._patches.set(accelerator, "clip_grad_norm_", watched_clip)
+        save_state, load_state = getattr(accelerator, "save_state", None), getattr(accelerator, "load_state", None)
+        if save_state is None or load_state is None:
+            return
+
+        @functools.wraps(save_state)
+        def watched_save_state(output_dir=None, *args, **kwargs):
+            saved = save_state(output_dir, *args, **kwargs)
+            folder = saved if isinstance(saved, str) else output_dir
+            if folder is not None:
+                self._after_save(os.fspath(folder))
+            return saved
+
+        @functools.wraps(load_state)
+        def watched_load_state(input_dir=None, *args, **kwargs):
+            loaded = load_state(input_dir, *args, **kwargs)
+            self._after_load(None if input_dir is None else os.fspath(input_dir))
+            return loaded
+
+        self._patches.set(accelerator, "save_state", watched_save_state)
+        self._patches.set(accelerator, "load_state", watched_load_state)
 
     # ------------------------------------------------------------ every micro-batch
 
     @guarded(steering=True)
     def _before_backward(self, run: Run) -> None:
+        if self._opened is not None:
+            self.loop_steps = self._checkpoints.start_training(run, self._opened, self._num_epochs)
+            self._opened = None
         if not self._epoch_open:
             run.begin_epoch()
             self._epoch_open = True
@@ -167,12 +198,25 @@ class LoopWatch(LoopAdapter):
     def _after_backward(self, run: Run) -> None:
         if self._counts_update:
             self.loop_steps += 1
+            self._since_loop_update = 0
+        else:
+            self._since_loop_update += 1
         run.after_micro_batch(self._counts_update, self.loop_steps)
         if self._counts_update and run.observing and getattr(self.accelerator, "trackers", None):
             self._observe("accelerator.log", self._log_metrics, run.engine_steps_seen, run.update_metrics())
         if getattr(self.accelerator.gradient_state, "end_of_dataloader", False):
             run.end_epoch(self.loop_steps)
             self._epoch_open = False
+
+    # ------------------------------------------------------------ checkpoints
+
+    @guarded(steering=False)
+    def _after_save(self, run: Run, folder: str) -> None:
+        self._checkpoints.after_save(run, folder, self.loop_steps, self._since_loop_update)
+
+    @guarded(steering=False)
+    def _after_load(self, run: Run, folder: Optional[str]) -> None:
+        self._checkpoints.after_load(run, folder, started=self._opened is None)
 
     @guarded(steering=False)
     def _check_the_clip(self, run: Run, max_norm: Any) -> None:

@@ -40,6 +40,11 @@ class NonFiniteUpdateError(StepSyncError, FloatingPointError):
                          "is not finite")
 
 
+class UnsafeCheckpointError(StepSyncError, RuntimeError):
+    """Raised by policy ``'raise'`` where a checkpoint cannot be resumed exactly (saved inside a window, or resumed
+    elsewhere than it was saved)."""
+
+
 class StepSyncConfigError(StepSyncError, ValueError):
     """A configuration or an argument that stepsync cannot serve; raised before any training step runs."""
 

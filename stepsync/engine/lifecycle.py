@@ -97,11 +97,14 @@ def idle_report(framework: Framework, policy: Policy, reason: str = "", level: i
     return report
 
 
-def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None) -> Tuple[Run, Optional[Steering]]:
+def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None,
+             training_starts: bool = True) -> Tuple[Run, Optional[Steering]]:
     """Open the run ``start`` describes; returns it with what its policy asks of the framework at the start.
 
     ``built`` receives the run as soon as it exists (the adapter keeps it, so that a failure from then on
-    switches it off, and adds what only it knows) before the policy starts.
+    switches it off, and adds what only it knows) before the policy starts. ``training_starts=False`` leaves the
+    forecast, a resumed record and the starting check to :func:`start_training`, for a loop that may still load a
+    checkpoint before its first micro-batch.
     """
     report = SyncReport(start.policy, framework=start.framework, planned_steps=start.planned_steps)
     run = Run(start.engine, start.behaviour, start.n, start.g, report, start.output,
@@ -127,10 +130,32 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None) -> 
         if asked != in_force:
             _refuse_or_warn(run, f"{where} asks gradient_accumulation_steps={asked} but the engine accumulates "
                                  f"{in_force} micro-batches per update; {fix}", "before the first micro-batch")
-    report.trainer_steps, report.engine_steps = start.trainer_steps, start.engine.global_steps
+    _count_from(run, start.trainer_steps)
+    steering = run.begin()
+    if training_starts:
+        start_training(run, start)
+    return run, steering
+
+
+def _count_from(run: Run, trainer_steps: int) -> None:
+    """The counts training begins with: the framework's, and the engine's as read now."""
+    report = run.report
+    report.trainer_steps, report.engine_steps = trainer_steps, run.engine_steps_seen
     report.engine_skipped = run.skipped_seen
     report.inherited_drift = report.drift
-    steering = run.begin()
+
+
+def start_training(run: Run, start: RunStart, resumed: bool = False) -> None:
+    """Training begins where ``start`` says: the forecast, the record a resume carries on, and the check of the
+    counts it begins with. ``resumed``: the engine was loaded after the run opened (a loop's ``load_state``), so its
+    counts are read again and the run starts at ``start``'s position."""
+    report = run.report
+    if resumed:
+        run.epoch, run.start_epoch, run.skip = start.start_epoch - 1, start.start_epoch, start.skip
+        run.plan = start.plan
+        run.engine_steps_seen = run.engine_at_last_update = run.engine.global_steps
+        run.skipped_seen = run.engine.skipped_steps if run.counts_skips else 0
+        _count_from(run, start.trainer_steps)
     if start.plan is not None:
         predicted = forecast(start.plan, start.behaviour, report.policy)
         predicted.resume_shift = start.shift
@@ -143,7 +168,6 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None) -> 
     if start.record is not None:
         continue_from(run, start.record)
     run.check(start.trainer_steps, "train_begin", start.inherited_remedy)
-    return run, steering
 
 
 def _say_the_weight_faults(run: Run, stack: Any, g: int, call: str) -> None:

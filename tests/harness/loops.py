@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from stepsync.tools.tiny_run import TinyDataset, cpu_distributed_env, tiny_model
 
@@ -19,6 +19,10 @@ class LoopRun:
     engine_steps: List[int] = field(default_factory=list)
     epoch_ends: List[tuple] = field(default_factory=list)
     error: Optional[BaseException] = None
+    trained: List[tuple] = field(default_factory=list)  # (0-based epoch, the sample's tokens) of every micro-batch
+    saved: Dict[str, tuple] = field(default_factory=dict)  # folder name -> (loop count, engine count) at its save
+    loop_steps_at_start: int = 0
+    engine_steps_at_start: int = 0
 
     @property
     def model(self):
@@ -64,7 +68,8 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
              outside_accumulate: bool = False, seed: int = 0, trackers=(),
              before_micro_batch: Optional[Callable[[int], None]] = None, bf16: bool = False,
              nan_at: Optional[int] = None, max_norm: Optional[float] = None, code_g: Optional[int] = None,
-             config_g=None, told_g: Optional[int] = None) -> LoopRun:
+             config_g=None, told_g: Optional[int] = None, save_to: Optional[str] = None,
+             resume_from: Optional[str] = None, save_every_micro_batch: bool = False) -> LoopRun:
     """Train the tiny model with a loop shaped like transformers' run_clm_no_trainer.py on accelerate + DeepSpeed.
 
     ``policy=None`` runs without stepsync; ``outside_accumulate`` calls ``accelerator.backward`` outside
@@ -74,6 +79,11 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
     (``accelerator.clip_grad_norm_`` where ``sync_gradients``). ``code_g`` and ``config_g`` set G apart in
     ``Accelerator(...)`` and in the DeepSpeed config (both ``gas`` by default), ``told_g`` is what
     ``stepsync.watch`` is told the code asked.
+
+    ``save_to`` saves ``step_N`` after every update and ``epoch_E`` after every epoch with ``accelerator.save_state``
+    (``save_every_micro_batch``: at every micro-batch while ``completed_steps`` is N, as copies of the example before
+    it checked ``sync_gradients`` did); ``resume_from`` loads one and places the data with the example's own
+    arithmetic (transformers' ``examples/pytorch/language-modeling/run_clm_no_trainer.py``).
     """
     cpu_distributed_env()
     import torch
@@ -105,11 +115,27 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
     watch = stepsync.watch(accelerator, policy, dataloader=dataloader, num_epochs=epochs, console=False,
                            gradient_accumulation_steps=told_g) if policy else None
     result = LoopRun(accelerator, engine, watch)
-    completed = 0
+    completed, starting_epoch, resume_step = 0, 0, None
+    if resume_from:  # run_clm_no_trainer.py's resume
+        accelerator.load_state(resume_from)
+        training_difference = os.path.splitext(os.path.basename(resume_from))[0]
+        if "epoch" in training_difference:
+            starting_epoch = int(training_difference.replace("epoch_", "")) + 1
+            completed = starting_epoch * steps_per_epoch
+        else:
+            resume_step = int(training_difference.replace("step_", "")) * gas
+            starting_epoch = resume_step // len(dataloader)
+            completed = resume_step // gas
+            resume_step -= starting_epoch * len(dataloader)
+    result.loop_steps_at_start, result.engine_steps_at_start = completed, engine.global_steps
     try:
-        for _ in range(epochs):
+        for epoch in range(starting_epoch, epochs):
             model.train()
-            for batch in dataloader:
+            active = dataloader
+            if resume_from and epoch == starting_epoch and resume_step is not None:
+                active = accelerator.skip_first_batches(dataloader, resume_step)
+            for batch in active:
+                result.trained.append((epoch, tuple(batch["input_ids"][0].tolist())))
                 index = len(result.loop_steps) + 1
                 if before_micro_batch is not None:
                     before_micro_batch(index)
@@ -127,7 +153,13 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
                     completed += 1
                 result.loop_steps.append(completed)
                 result.engine_steps.append(engine.global_steps)
+                if save_to and (accelerator.sync_gradients or save_every_micro_batch) and completed:
+                    accelerator.save_state(os.path.join(save_to, f"step_{completed}"))
+                    result.saved[f"step_{completed}"] = (completed, engine.global_steps)
             result.epoch_ends.append((completed, engine.global_steps))
+            if save_to:
+                accelerator.save_state(os.path.join(save_to, f"epoch_{epoch}"))
+                result.saved[f"epoch_{epoch}"] = (completed, engine.global_steps)
     except Exception as exc:  # the caller asserts on it
         result.error = exc
     finally:

@@ -1,0 +1,143 @@
+"""An accelerate loop's checkpoints: stepsync's record in every ``save_state`` folder, a save that a resume cannot
+continue from exactly said when it is made, and a ``load_state`` that carries the report on.
+
+transformers' ``run_*_no_trainer.py`` examples resume by their folder's name (``step_N``: ``N * G`` micro-batches
+skipped, whole epochs first, with ``skip_first_batches``); the record keeps where the run really stood, so the
+first micro-batch after a resume is held against it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any, Optional, Tuple
+
+from ..core.choices import Policy
+from ..core.errors import UnsafeCheckpointError
+from ..core.plan import RunPlan
+from ..core.record import RECORD_FILE, ResumeRecord, load_record, write_json
+from ..engine.lifecycle import RunStart, start_training
+from ..engine.resume import record_of
+from ..engine.run import Run
+
+_NUMBER_AT_END = re.compile(r"(\d+)$")
+
+
+class LoopCheckpoints:
+    """What a loop watch knows of the checkpoints its loop saves and loads.
+
+    Attributes:
+        loaded: the folder ``load_state`` read before the first micro-batch and its record (None: none read).
+        said_saves: a save was warned about (later ones go to the report only).
+    """
+
+    def __init__(self, accelerator: Any) -> None:
+        self.accelerator = accelerator
+        self.loaded: Optional[Tuple[str, Optional[ResumeRecord]]] = None
+        self.said_saves = False
+
+    def after_save(self, run: Run, folder: str, loop_steps: int, since_loop_update: int) -> None:
+        """Keep the record in the folder, and say a save that a resume cannot continue from exactly."""
+        if getattr(getattr(self.accelerator, "state", None), "is_main_process", True):
+            write_json(os.path.join(folder, RECORD_FILE), record_of(run).to_dict())
+        name = os.path.basename(os.path.normpath(folder))
+        said = []
+        if run.since_engine_update:
+            said.append(f"{run.since_engine_update} micro-batch(es) are in DeepSpeed's open window: DeepSpeed saves "
+                        "neither their gradients nor its micro-step counter, so a resume from it loses them")
+        elif since_loop_update:
+            said.append(f"it was saved inside your loop's window ({since_loop_update} micro-batch(es) after its last "
+                        "update): save where accelerator.sync_gradients is true")
+        number = _NUMBER_AT_END.search(name)
+        engine_steps = run.engine.global_steps
+        if number and int(number.group(1)) == loop_steps != engine_steps:
+            said.append(f"its name counts your loop's {loop_steps} updates but it holds DeepSpeed's step "
+                        f"{engine_steps} (drift {loop_steps - engine_steps:+d}), which a resume restores")
+        if not said:
+            return
+        text = f"checkpoint {name}: " + "; ".join(said)
+        if run.report.policy is Policy.RAISE:
+            raise UnsafeCheckpointError(f"{text}; policy 'raise' stops at this save")
+        if self.said_saves:
+            run.note(text)
+        else:
+            self.said_saves = True
+            run.warn(text + " (later saves like it are listed in the report)")
+
+    def after_load(self, run: Run, folder: Optional[str], started: bool) -> None:
+        """``load_state(folder)`` ran: its record is read for the first micro-batch."""
+        if started:
+            run.warn(f"load_state({folder!r}) after training began: the report's counts are not taken again from it")
+            return
+        record = None
+        if folder is not None:
+            try:
+                record = load_record(folder)
+            except ValueError as exc:
+                run.error(f"{folder}: stepsync's record is unreadable ({exc}); the report covers this run only")
+        self.loaded = (folder or "the newest checkpoint", record)
+
+    def start_training(self, run: Run, opened: RunStart, num_epochs: Optional[float]) -> int:
+        """The first micro-batch: training starts fresh, or where the checkpoint ``load_state`` read says. Returns
+        the loop's count it starts from."""
+        if self.loaded is None:
+            start_training(run, opened)
+            return 0
+        folder, record = self.loaded
+        engine_steps, n = run.engine.global_steps, run.n
+        skipped_here = self._skipped_by_the_loop()
+        if record is None:
+            # Saved without stepsync: the loop's count before it is not kept anywhere; the engine's stands for it.
+            loop_steps, epoch, skip, placed = engine_steps, 0, skipped_here or 0, False
+        else:
+            loop_steps, epoch, skip, placed = record.trainer_steps, record.next_epoch, record.next_skip, True
+            if n is not None and skip >= n:
+                epoch, skip = epoch + 1, 0
+            if skipped_here is not None and skipped_here != skip:
+                # The loop's windows then restart where it resumes, not where the rule places them: no forecast.
+                self._say_the_loops_resume(run, folder, epoch, skip, skipped_here, record.unapplied_at_save)
+                skip, placed = skipped_here, False
+        plan = None
+        if n is not None and num_epochs is not None and placed:
+            plan = RunPlan(n, run.g, num_epochs, -1, loop_steps, engine_steps, start=(epoch, skip))
+        start_training(run, dataclasses.replace(opened, trainer_steps=loop_steps, plan=plan, start_epoch=epoch,
+                                                skip=skip, record=record), resumed=True)
+        if record is None:
+            run.note(f"resumed from {folder}, saved without stepsync: your loop's count before it is not kept there, "
+                     f"so it is taken as the engine's ({engine_steps}); a drift the checkpoint carries cannot be seen, "
+                     "and epochs are numbered from the resume")
+        return loop_steps
+
+    def _skipped_by_the_loop(self) -> Optional[int]:
+        """The micro-batches the loop skipped in the epoch it resumes in (accelerate's ``skip_first_batches``)."""
+        loader = getattr(getattr(self.accelerator, "gradient_state", None), "active_dataloader", None)
+        if loader is None:
+            return None
+        # skip_first_batches puts the count on the loader, its batch sampler or its sampler, by the loader's kind.
+        for holder in (loader, getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
+            skipped = getattr(holder, "skip_batches", None)
+            if isinstance(skipped, int) and skipped > 0:
+                return skipped
+        return 0
+
+    @staticmethod
+    def _say_the_loops_resume(run: Run, folder: str, epoch: int, saved_at: int, skipped: int, unapplied: int) -> None:
+        """The loop resumed elsewhere in the epoch than the checkpoint was saved at: micro-batches skipped or
+        applied twice (training again those whose gradients the save lost applies them once)."""
+        name, where = os.path.basename(os.path.normpath(folder)), f"of epoch {epoch + 1}"
+        lost = min(unapplied, saved_at)
+        if skipped > saved_at:
+            what = f"skips {skipped - saved_at} micro-batch(es) {where} that were never trained"
+        elif saved_at - skipped <= lost:
+            run.note(f"{name} was saved after micro-batch {saved_at} {where} with {lost} in DeepSpeed's open window; "
+                     f"your loop resumes after micro-batch {skipped}, so it trains again {saved_at - skipped} whose "
+                     "gradients the save lost: each is applied once")
+            return
+        else:
+            what = f"applies {saved_at - skipped - lost} micro-batch(es) {where} a second time"
+        text = (f"{name} was saved after micro-batch {saved_at} {where}, but your loop resumes after micro-batch "
+                f"{skipped} of it (skip_first_batches): it {what}; place the resume with the position stepsync saved "
+                f"({RECORD_FILE}: next_epoch, next_skip), not with the folder's name")
+        if run.report.policy is Policy.RAISE:
+            raise UnsafeCheckpointError(f"{text}; policy 'raise' stops before the first micro-batch")
+        run.warn(text)

@@ -1,0 +1,128 @@
+"""A custom accelerate loop saved with ``accelerator.save_state`` and resumed with ``accelerator.load_state``, as
+transformers' ``examples/pytorch/language-modeling/run_clm_no_trainer.py`` does (``step_N`` after every update,
+``epoch_E`` after every epoch, and on resume its own arithmetic: ``N * G`` micro-batches skipped, whole epochs first).
+
+The watch sits where the docs place it (right after ``prepare``), with no new argument. The truth is the loop's own
+record (its ``completed_steps`` and the engine's ``global_steps`` after every micro-batch, harness.loops.run_loop):
+the report of every resume must equal it. Real accelerate 1.7 and DeepSpeed 0.19.8 (ZeRO-2), one process, CPU.
+"""
+import os
+
+import pytest
+
+from harness.stack import STACK, needs_stack
+
+pytestmark = [needs_stack, pytest.mark.integration,
+              pytest.mark.skipif(STACK not in ("", "drifting"), reason="run on the drifting stack")]
+
+N, G, EPOCHS = 10, 3, 3  # windows of 3, 3, 3 and 1 in every epoch: the engine's run across epoch ends
+
+
+def loop(policy, **kwargs):
+    from harness.loops import run_loop
+
+    return run_loop(N, G, EPOCHS, policy, stage=2, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One full run per policy, saving as the example does; and one that saves without stepsync."""
+    out = tmp_path_factory.mktemp("loop-resume")
+    runs = {policy: loop(policy, save_to=str(out / policy)) for policy in ("warn", "sync")}
+    runs["plain"] = loop(None, save_to=str(out / "plain"))
+    runs["every"] = loop("sync", save_to=str(out / "every"), save_every_micro_batch=True)
+    return out, runs
+
+
+def check_equals_the_truth(result):
+    report = result.watch.report
+    assert result.error is None, repr(result.error)
+    assert (report.trainer_steps, report.engine_steps) == (result.loop_steps[-1], result.engine_steps[-1])
+    assert [(row.trainer_steps, row.engine_steps) for row in report.epochs] == result.epoch_ends
+    assert "UNEXPLAINED" not in [event.cause.name for event in report.events]
+    assert report.forecast_mismatches == []
+    return report
+
+
+def test_the_saves_say_what_they_hold(saved):
+    _, runs = saved
+    # The loop counts 4 updates per epoch, the engine 10 in 3 epochs (accelerate 1.7): step_8 holds engine step 6.
+    assert runs["warn"].saved["step_8"] == (8, 6) and runs["warn"].saved["step_12"] == (12, 10)
+    notes = runs["warn"].watch.report.notes
+    said = [note for note in notes if note.startswith("checkpoint step_8:")]
+    assert len(said) == 1 and "holds DeepSpeed's step 6 (drift +2)" in said[0]
+    assert "2 micro-batch(es) are in DeepSpeed's open window" in said[0]
+    assert not [note for note in runs["sync"].watch.report.notes if note.startswith("checkpoint ")]
+    # An older copy of the example saves step_N at every micro-batch until the count changes: mid-window.
+    every = [note for note in runs["every"].watch.report.notes if note.startswith("checkpoint step_4:")]
+    assert every[-1].startswith("checkpoint step_4: 2 micro-batch(es) are in DeepSpeed's open window")
+
+
+@pytest.mark.parametrize("policy, folder, truth, events", [
+    ("warn", "epoch_1", (12, 9), [1, 2, 3]),  # drift +2 carried on, +3 at the last epoch's short window
+    ("sync", "epoch_1", (12, 12), []),
+])
+def test_a_resume_at_an_epoch_end_continues_the_report(saved, policy, folder, truth, events):
+    out, _ = saved
+    result = loop(policy, resume_from=str(out / policy / folder))
+    report = check_equals_the_truth(result)
+    assert (result.loop_steps[-1], result.engine.global_steps) == truth
+    assert report.resumed_from is not None and report.resumed_from.trainer_steps == 8
+    assert [event.trainer_steps - event.engine_steps for event in report.events] == events
+    assert [(row.trainer_steps, row.engine_steps) for row in report.forecast.epochs] == result.epoch_ends
+    assert not [note for note in report.notes if "resumes after micro-batch" in note]
+
+
+@pytest.mark.parametrize("policy, truth", [("warn", (10, 8)), ("sync", (10, 10))])
+def test_the_examples_arithmetic_skips_data_and_the_watch_says_how_much(saved, policy, truth):
+    out, _ = saved
+    # step_8 was saved at epoch 2's end; 8 * G = 24 micro-batches puts the loop at epoch 3's fifth.
+    result = loop(policy, resume_from=str(out / policy / "step_8"))
+    report = check_equals_the_truth(result)
+    assert (result.loop_steps[-1], result.engine.global_steps) == truth
+    assert len(result.trained) == N - 4  # the truth: 4 micro-batches of epoch 3 never trained
+    said = [note for note in report.notes if "resumes after micro-batch" in note]
+    assert said == ["step_8 was saved after micro-batch 0 of epoch 3, but your loop resumes after micro-batch 4 of "
+                    "it (skip_first_batches): it skips 4 micro-batch(es) of epoch 3 that were never trained; place "
+                    "the resume with the position stepsync saved (stepsync_state.json: next_epoch, next_skip), not "
+                    "with the folder's name"]
+
+
+def test_raise_stops_before_a_resume_that_skips_data(saved):
+    from stepsync.core.errors import UnsafeCheckpointError
+
+    out, _ = saved
+    result = loop("raise", resume_from=str(out / "sync" / "step_8"))
+    assert isinstance(result.error, UnsafeCheckpointError) and result.trained == [(2, result.trained[0][1])]
+    assert result.loop_steps == [] and result.engine.global_steps == 8  # nothing trained past the forward
+
+
+def test_a_checkpoint_saved_mid_window_says_what_the_resume_lost(saved):
+    out, runs = saved
+    # step_4's last save: epoch 2, micro-batch 2, both in the open window; the example resumes at 4 * G = 12.
+    result = loop("sync", resume_from=str(out / "every" / "step_4"))
+    report = check_equals_the_truth(result)
+    assert report.resumed_from.unapplied_at_save == 2 and report.resumed_from.next_skip == 2
+    assert any("saved with 2 micro-batch(es) in DeepSpeed's open window" in note for note in report.notes)
+
+
+def test_raise_stops_at_a_save_inside_a_window(tmp_path):
+    from stepsync.core.errors import UnsafeCheckpointError
+
+    result = loop("raise", save_to=str(tmp_path), save_every_micro_batch=True)
+    assert isinstance(result.error, UnsafeCheckpointError)
+    assert str(result.error).startswith("checkpoint step_1: 1 micro-batch(es) are in DeepSpeed's open window")
+    assert result.loop_steps == [0, 0, 1, 1]  # the update at micro-batch 3; the save after micro-batch 4 stops
+
+
+def test_a_checkpoint_saved_without_stepsync_is_not_misread(saved):
+    out, _ = saved
+    result = loop("warn", resume_from=str(out / "plain" / "epoch_1"))
+    report = result.watch.report
+    assert result.error is None and report.resumed_from is None and report.forecast is None
+    # The loop's count before the resume is not in the checkpoint: the engine's (6) stands for it, and says so.
+    assert (report.trainer_steps, report.engine_steps) == (6 + 4, result.engine.global_steps) == (10, 9)
+    assert any("saved without stepsync: your loop's count before it is not kept there" in note
+               for note in report.notes)
+    assert [event.cause.name for event in report.events] == ["PARTIAL_WINDOW"]
+    assert os.path.isfile(out / "warn" / "epoch_1" / "stepsync_state.json")
