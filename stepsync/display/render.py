@@ -150,6 +150,8 @@ def audit_view(audit) -> Group:
         status = Text("ok", style="green") if item.ok else Text(
             "BROKEN" if damaged else "MISMATCH" if item.mismatches else "NO LATEST", style="bold red")
         tag = item.deepspeed_tag or (f"(global_step{item.deepspeed_step})" if item.deepspeed_step is not None else "-")
+        if item.loop and item.deepspeed_step is not None:  # a loop's tag names no step: its files do
+            tag = f"step {item.deepspeed_step}"
         rows.append([item.name, "?" if item.trainer_state_step is None else str(item.trainer_state_step),
                      tag, f"{record.trainer_steps}/{record.engine_steps}" if record else "-",
                      _drift_text(item.drift) if item.drift is not None else Text("?"), status])

@@ -43,6 +43,8 @@ class CheckpointAudit:
             with, read from their names and the pickle's opcodes (None when they do not say).
         universal: a universal copy (``global_stepM_universal/``, DeepSpeed's ``ds_to_universal``) is there.
         num_train_epochs: the epochs the run planned (``trainer_state.json``).
+        loop: a custom loop's ``accelerator.save_state`` folder: ``trainer_step`` is the loop's count in stepsync's
+            record (without one it is not known, and neither is the drift).
         mismatches: counts that disagree; problems: missing, partial or corrupt files.
     """
 
@@ -59,6 +61,7 @@ class CheckpointAudit:
     saved_world_size: Optional[int] = None
     universal: bool = False
     num_train_epochs: Optional[int] = None
+    loop: bool = False
     mismatches: List[str] = field(default_factory=list)
     problems: List[str] = field(default_factory=list)
 
@@ -78,8 +81,10 @@ class CheckpointAudit:
 
     @property
     def drift(self) -> Optional[int]:
-        """What a resume from here inherits: the Trainer's count minus DeepSpeed's step."""
-        return None if self.deepspeed_step is None else self.counted - self.deepspeed_step
+        """What a resume from here inherits: the Trainer's (or loop's) count minus DeepSpeed's step."""
+        if self.deepspeed_step is None or (self.loop and self.record is None):
+            return None
+        return self.counted - self.deepspeed_step
 
     def to_dict(self) -> dict:
         data = asdict(replace(self, record=None))
@@ -109,6 +114,7 @@ class OutputAudit:
         if safe is None:
             return head + "no checkpoint is safe to resume from: each one carries drift or missing files into a resume"
         inherits = (f"a resume inherits drift {safe.drift:+d}" if safe.drift is not None else
+                    "saved without stepsync: the loop's count is not kept there" if safe.loop else
                     "no DeepSpeed files: no engine count to compare")
         return head + f"safe to resume from: {safe.name} ({inherits})"
 
@@ -133,7 +139,8 @@ def audit_output_dir(path: str, verify_data: bool = True) -> OutputAudit:
     named = locate(path)
     found = [named] if named is not None else checkpoints_under(path)
     if not found:
-        raise AuditInputError(f"no checkpoint-N folders (nor Ray Train checkpoint_<timestamp> folders) in {path!r}: "
+        raise AuditInputError(f"no checkpoint-N folders (nor Ray Train checkpoint_<timestamp> folders, nor "
+                              f"accelerator.save_state folders) in {path!r}: "
                               "pass the output_dir of a Trainer run that saved, or Ray Train's <storage_path>/<name>")
     return OutputAudit(path, [audit_checkpoint(item.path, verify_data, item) for item in found])
 
@@ -145,6 +152,8 @@ def audit_checkpoint(path: str, verify_data: bool = True, located: Optional[Loca
         raise AuditInputError(f"{path!r} is not a checkpoint-N folder (nor Ray Train's checkpoint_<timestamp>): "
                               "pass one the Trainer saved")
     name = located.name
+    if located.loop:
+        return _audit_loop(located, verify_data)
     if located.step is None:  # Ray's folder names no step: its trainer_state.json must
         return CheckpointAudit(name, path, 0, problems=[f"{name}: no readable {checkpoint.TRAINER_STATE} gives its "
                                                         "step: the save is incomplete"])
@@ -163,6 +172,46 @@ def audit_checkpoint(path: str, verify_data: bool = True, located: Optional[Loca
         audit.problems.append(f"{audit.name}: stepsync's record is unreadable ({exc})")
     _read_deepspeed(audit, entries, verify_data)
     _check_record(audit)
+    return audit
+
+
+def _audit_loop(located: Located, verify_data: bool) -> CheckpointAudit:
+    """One ``accelerator.save_state`` folder: DeepSpeed's step read from its files, against the loop's count in
+    stepsync's record (its name may count updates or micro-batches: it is not read)."""
+    name, path = located.name, located.path
+    audit = CheckpointAudit(name, path, located.step or 0, loop=True)
+    try:
+        audit.record = checkpoint.load_record(path)
+    except ValueError as exc:
+        audit.problems.append(f"{name}: stepsync's record is unreadable ({exc})")
+    record = audit.record
+    if record is not None:
+        audit.trainer_step = record.trainer_steps
+    try:
+        with open(os.path.join(path, "latest")) as handle:
+            audit.deepspeed_tag = handle.read().strip()
+    except (OSError, UnicodeDecodeError):
+        audit.problems.append(f"{name} has no readable 'latest' file: DeepSpeed's save did not finish (or this loop "
+                              "did not train with DeepSpeed); resume from an earlier checkpoint")
+        return audit
+    audit.deepspeed_step = located.step
+    if located.step is None:
+        audit.problems.append(f"{name}/{audit.deepspeed_tag}: no readable model states give DeepSpeed's step: the "
+                              "save is incomplete; resume from an earlier checkpoint")
+        return audit
+    _read_tag_folder(audit, os.listdir(path), verify_data, audit.deepspeed_tag)
+    if record is None:
+        return audit
+    if record.trainer_steps != located.step:
+        audit.mismatches.append(
+            f"{name} holds DeepSpeed's step {located.step}: your loop counted {record.trainer_steps} updates "
+            f"(drift {audit.drift:+d}); a resume inherits it: use stepsync.watch(accelerator, policy='sync') from the "
+            "start, or accelerate >= 1.8.0")
+    if record.unapplied_at_save:
+        audit.mismatches.append(
+            f"{name} was saved with {record.unapplied_at_save} micro-batch(es) in DeepSpeed's open window: DeepSpeed "
+            "saves neither their gradients nor its micro-step counter, so a resume loses them; resume from a "
+            "checkpoint saved where accelerator.sync_gradients was true")
     return audit
 
 
@@ -244,9 +293,9 @@ def _compare_steps(audit: CheckpointAudit) -> None:
             "a resume inherits it: resume with StepSyncCallback(policy='realign') or use policy='sync' from the start")
 
 
-def _read_tag_folder(audit: CheckpointAudit, entries: List[str], verify_data: bool) -> None:
-    """Every file DeepSpeed will read from ``global_stepM/`` is there and whole."""
-    tag = f"global_step{audit.deepspeed_step}"
+def _read_tag_folder(audit: CheckpointAudit, entries: List[str], verify_data: bool, tag: str = "") -> None:
+    """Every file DeepSpeed will read from ``global_stepM/`` (a loop's: ``tag``) is there and whole."""
+    tag = tag or f"global_step{audit.deepspeed_step}"
     folder = os.path.join(audit.path, tag)
     where = f"{audit.name}/{tag}"
     files = sorted(os.listdir(folder))

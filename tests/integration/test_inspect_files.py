@@ -94,3 +94,25 @@ def test_quick_checks_structure_not_every_tensor(saved, tmp_path):
     _flip_a_byte(str(run / "checkpoint-2" / "global_step2" / "mp_rank_00_model_states.pt"), tensors_only=True)
     assert not audit_output_dir(str(run)).checkpoints[-1].ok
     assert audit_output_dir(str(run), verify_data=False).checkpoints[-1].ok  # the flipped byte is in a tensor
+
+
+def test_an_output_dir_with_save_states_file_at_its_root_has_each_checkpoint_audited(tmp_path):
+    """Every Trainer example ends with ``trainer.save_state()``, which writes trainer_state.json at the output
+    folder's root (transformers' examples/pytorch/language-modeling/run_clm.py): the folder is still read for the
+    checkpoints inside it."""
+    from harness.runs import run_tiny
+    from harness.stack import DRIFTS
+    from stepsync.tools.audit import audit_output_dir
+
+    result = run_tiny(str(tmp_path), samples=10, gas=3, epochs=3, save_strategy="epoch")
+    assert result.error is None
+    result.trainer.save_state()
+    assert (tmp_path / "trainer_state.json").is_file()
+    audit = audit_output_dir(str(tmp_path))
+    assert [item.name for item in audit.checkpoints] == ["checkpoint-4", "checkpoint-8", "checkpoint-12"]
+    # The truth: the engine's count in each folder's DeepSpeed tag, as DeepSpeed wrote it.
+    engine = [int(open(tmp_path / name / "latest").read().replace("global_step", "")) for name in
+              ("checkpoint-4", "checkpoint-8", "checkpoint-12")]
+    assert engine == ([3, 6, 10] if DRIFTS else [4, 8, 12])
+    assert [item.drift for item in audit.checkpoints] == [4 - engine[0], 8 - engine[1], 12 - engine[2]]
+    assert (audit.safe is None) == DRIFTS

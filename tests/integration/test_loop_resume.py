@@ -126,3 +126,27 @@ def test_a_checkpoint_saved_without_stepsync_is_not_misread(saved):
                for note in report.notes)
     assert [event.cause.name for event in report.events] == ["PARTIAL_WINDOW"]
     assert os.path.isfile(out / "warn" / "epoch_1" / "stepsync_state.json")
+
+
+def test_inspect_reads_a_loops_folders_for_what_they_hold(saved):
+    """``stepsync inspect`` on the example's output folder: each ``save_state`` folder's DeepSpeed step from its
+    files, against the loop's count in stepsync's record (the folder's name is not read)."""
+    from stepsync.tools.audit import audit_output_dir
+
+    out, runs = saved
+    warn = {item.name: item for item in audit_output_dir(str(out / "warn")).checkpoints}
+    assert {name: (item.counted, item.deepspeed_step) for name, item in warn.items()} == runs["warn"].saved
+    assert [name for name, item in warn.items() if item.ok] == ["step_1", "step_2", "step_3"]
+    assert warn["step_8"].drift == 2 and len(warn["step_8"].mismatches) == 2  # drift, and 2 micro-batches unapplied
+    assert audit_output_dir(str(out / "warn")).safe.name == "step_3"
+    synced = audit_output_dir(str(out / "sync"))
+    assert synced.ok and {item.name: (item.counted, item.deepspeed_step) for item in synced.checkpoints} == \
+        runs["sync"].saved
+    mid_window = {item.name: item for item in audit_output_dir(str(out / "every")).checkpoints}["step_4"]
+    assert mid_window.drift == 0 and mid_window.mismatches == [
+        "step_4 was saved with 2 micro-batch(es) in DeepSpeed's open window: DeepSpeed saves neither their gradients "
+        "nor its micro-step counter, so a resume loses them; resume from a checkpoint saved where "
+        "accelerator.sync_gradients was true"]
+    plain = audit_output_dir(str(out / "plain"))
+    assert [item.drift for item in plain.checkpoints] == [None] * len(runs["plain"].saved)
+    assert plain.verdict().endswith("(saved without stepsync: the loop's count is not kept there)")

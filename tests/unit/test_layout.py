@@ -18,7 +18,7 @@ ROOT = os.path.join(REPO, "stepsync")
 LAYERS = ("core", "display", "engine", "adapters", "tools")  # each may import only the ones before it
 ADAPTERS = ("trainer", "accelerate", "lightning")  # one folder per training framework
 FORBIDDEN_IN_CORE = ("torch", "transformers", "deepspeed", "accelerate", "lightning", "rich")
-MOST_LINES = 300
+MOST_LINES = 350  # an alarm, not a law (STYLE.md): a split that makes a cycle costs more than a 350-line file
 
 
 def modules():
