@@ -8,7 +8,6 @@ Pure file reading (no pickle is run), except the one conversion it is asked for 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import time
@@ -16,13 +15,13 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from ..core.errors import StepSyncConfigError
-from ..core.relayout import Layout, ResumeShift, example_landing, landing, resume_shift
+from ..core.record import load_record
+from ..core.relayout import Layout, ResumeShift, example_landing, landing, position, resume_shift
 from ..core.versions import PlannedSteps
 from .audit import audit_checkpoint
 from .resume_audit import planned_here, resume_on
-from .storage import locate
+from .storage import RANDOM_STATES, locate
 
-RANDOM_STATES = re.compile(r"^random_states_(\d+)\.pkl$")  # accelerator.save_state's, one per process
 CONVERTED = "stepsync_converted"  # written into the universal copy once DeepSpeed's conversion has finished
 
 
@@ -110,9 +109,9 @@ def resume_settings(checkpoint: Optional[str], world_size: int, per_device_train
         return _apply(settings, example_shift(os.fspath(checkpoint), world_size, per_device_train_batch_size,
                                               gradient_accumulation_steps, examples, settings.notes))
     located = locate(os.fspath(checkpoint))
-    if located is None or not os.path.isdir(located.path):
+    if located is None or located.loop or not os.path.isdir(located.path):
         raise ValueError(f"{os.fspath(checkpoint)!r} holds no Trainer checkpoint: pass a checkpoint-N folder or Ray "
-                         "Train's checkpoint directory")
+                         "Train's checkpoint directory (for accelerator.save_state's folders, loop='accelerate')")
     folder = located.path
     audit = audit_checkpoint(folder, verify_data=False, located=located)
     planned = planned_here()
@@ -167,13 +166,21 @@ def example_shift(folder: str, world_size: int, batch: int, gas: int, examples: 
         raise ValueError("examples=... (the training set's length) is needed to place an accelerate loop's resume")
     saved, resumed = Layout(max(ranks) + 1, batch, gas, examples), Layout(world_size, batch, gas, examples)
     step = int(number)
-    stood = landing(saved, step, PlannedSteps.CEIL)  # accumulate(): ceil(N/G) updates an epoch, the last one short
+    record = load_record(folder)  # stepsync.watch's: where the run really stood, whatever the name says
+    if record is None:
+        stood = landing(saved, step, PlannedSteps.CEIL)  # accumulate(): ceil(N/G) updates an epoch, the last short
+    else:
+        stood = position(saved, record.next_epoch, record.next_skip)
+        if record.unapplied_at_save:
+            notes.append(f"the last {record.unapplied_at_save} micro-batch(es) before the save were trained but were "
+                         "in DeepSpeed's open window: their gradients are not in the checkpoint")
     shift = resume_shift(saved, resumed, step, stood, PlannedSteps.CEIL, place=example_landing)
     same = saved.world_size == world_size
     if shift.exact and same:
         return None
-    shift.read_from_files = (f"{len(ranks)} rank(s) read from its random_states files, batch {batch} and G={gas} "
-                             "taken as the ones given")
+    where = "where it stood from stepsync's record, " if record is not None else ""
+    shift.read_from_files = (f"{where}{len(ranks)} rank(s) read from its random_states files, batch {batch} and "
+                             f"G={gas} taken as the ones given")
     shift.placement = (f"the examples' arithmetic ({step} updates x G={gas} micro-batches, whole epochs first) places "
                        f"the resume at epoch {shift.lands[0] + 1}, sample {shift.lands[1]} of its order")
     count = "skip the micro-batches your loop really trained in that epoch (save the count with the checkpoint)"

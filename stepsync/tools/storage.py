@@ -18,7 +18,7 @@ RAY_CHECKPOINT = re.compile(r"^checkpoint_\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}(?:
 RAY_INNER = "checkpoint"  # RayTrainReportCallback's name for the Trainer's checkpoint inside Ray's folder
 
 
-RANDOM_STATES = re.compile(r"^random_states(?:_\d+)?\.pkl$")  # accelerate's save_state, one per process
+RANDOM_STATES = re.compile(r"^random_states_(\d+)\.pkl$")  # accelerator.save_state's, one per process
 ENGINE_MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 
 

@@ -150,3 +150,22 @@ def test_inspect_reads_a_loops_folders_for_what_they_hold(saved):
     plain = audit_output_dir(str(out / "plain"))
     assert [item.drift for item in plain.checkpoints] == [None] * len(runs["plain"].saved)
     assert plain.verdict().endswith("(saved without stepsync: the loop's count is not kept there)")
+
+
+def test_resume_settings_place_a_mid_window_save_where_the_run_stood(saved):
+    """An older copy of the example saved step_8 at every micro-batch until the count changed: its last save is two
+    micro-batches into epoch 3. The example resumes after 8 * G = 24 micro-batches; stepsync's record says 22."""
+    import stepsync
+
+    out, runs = saved
+    folder = out / "every" / "step_8"
+    settings = stepsync.resume_settings(str(folder), 1, 1, G, examples=N, loop="accelerate")
+    resumed = loop("sync", resume_from=str(folder))
+    # The truth: the samples of epoch 3 trained before the save (the first 22 micro-batches of the run) and after.
+    before = {sample for epoch, sample in runs["every"].trained[:22] if epoch == 2}
+    after = {sample for epoch, sample in resumed.trained if epoch == 2}
+    every = {sample for epoch, sample in runs["every"].trained if epoch == 2}
+    assert len(before) == 2 and len(every - before - after) == 2 == sum(settings.shift.skipped.values())
+    assert settings.shift.skipped == {3: 2} and settings.shift.repeated == {}
+    assert "the last 2 micro-batch(es) before the save were trained but were in DeepSpeed's open window" in \
+        " ".join(settings.notes)
