@@ -108,6 +108,7 @@ def _simulate(plan: RunPlan, behaviour: StackBehaviour, policy: Policy, planned:
         )
         if stopped:
             result.stopped_by_plan = True
+            result.untrained_after_stop = last_position - end + (epochs_to_run - epoch - 1) * last_position
             break
     result.unapplied_micro_batches = since_trainer_boundary if engine_follows else counters.engine_micro % g
     opened_at = counters.engine_micro - result.unapplied_micro_batches

@@ -49,6 +49,7 @@ class Forecast:
             one (None otherwise).
         epochs_to_run: the epochs the Trainer's loop runs at most.
         stopped_by_plan: the run ends because the Trainer's count reached its ``max_steps`` (not the data's end).
+        untrained_after_stop: the micro-batches of the planned epochs after that stop (never trained).
         micro_batch_weight: what each micro-batch weighs in its update (1/G when the loss is divided once).
         straddling: the 1-based epochs that begin inside an engine window the previous epoch opened.
         resume_shift: the data a resume on another layout skips or trains twice (set by the adapter that saw it).
@@ -66,6 +67,7 @@ class Forecast:
     reachable_steps: Optional[int] = None
     epochs_to_run: int = 0
     stopped_by_plan: bool = False
+    untrained_after_stop: int = 0
     micro_batch_weight: float = 1.0
     straddling: List[int] = field(default_factory=list)
     wiped_micro_batches: int = 0
@@ -89,8 +91,10 @@ class Forecast:
 
     @property
     def aligned(self) -> bool:
-        """No epoch ends with a drift other than the one inherited at the start."""
-        return all(row.drift == self.inherited_drift for row in self.epochs) and self.drift == self.inherited_drift
+        """No epoch ends with a drift other than the one inherited at the start (under ``realign``, other than none:
+        it adopts the engine's count)."""
+        kept = 0 if self.policy is Policy.REALIGN else self.inherited_drift
+        return all(row.drift == kept for row in self.epochs) and self.drift == kept
 
     @property
     def micro_batches(self) -> int:
@@ -171,9 +175,14 @@ def verdict(forecast: Forecast) -> str:
     tail = "".join(f"; {fact}" for fact in wrong) + (f"; and {early}" if early else "")
     framework = forecast.behaviour.framework.name
     if forecast.aligned and not wrong:
-        inherited = f" (inherited drift {forecast.inherited_drift:+d} stays)" if forecast.inherited_drift else ""
+        inherited = forecast.inherited_drift
+        if forecast.drift:  # the drift a checkpoint carried in stays; no new one
+            return (f"aligned: {framework} counts {forecast.trainer_steps} updates, the engine makes "
+                    f"{forecast.engine_steps}: the drift {inherited:+d} inherited at the start stays, no new one under "
+                    f"policy '{forecast.policy.value}'{tail}")
+        adopted = f" (the drift {inherited:+d} inherited at the start is taken back)" if inherited else ""
         return (f"aligned: both sides count {forecast.trainer_steps} updates under policy "
-                f"'{forecast.policy.value}'{inherited}{tail}")
+                f"'{forecast.policy.value}'{adopted}{tail}")
     if forecast.aligned:  # the shift's fact carries its own fix
         shift = forecast.resume_shift
         remedy = "" if shift is not None and wrong == [shift_fact(shift)] else f"; {forecast.behaviour.remedy}"
@@ -200,6 +209,10 @@ def what_the_updates_miss(forecast: Forecast) -> List[str]:
     shift = forecast.resume_shift
     if shift is not None and not shift.exact:
         facts.append(shift_fact(shift))
+    if forecast.reachable_steps is not None and forecast.untrained_after_stop:
+        facts.append(f"the run ends at the engine's last update (max_steps={forecast.reachable_steps}): the "
+                     f"{forecast.untrained_after_stop} micro-batch(es) after it are never trained (fewer than G: no "
+                     "update would apply them)")
     if forecast.straddling and forecast.behaviour.zero_grad_at_its_windows:
         facts.append(f"the engine's windows cross into epoch(s) {_listed(forecast.straddling)}")
     return facts
@@ -221,6 +234,7 @@ def forecast_dict(forecast: Forecast) -> dict:
         "drift": forecast.drift,
         "inherited_drift": forecast.inherited_drift,
         "aligned": forecast.aligned,
+        "sound": forecast.sound,
         "planned_steps": forecast.planned_steps,
         "policy": forecast.policy.value,
         "micro_batches": forecast.micro_batches,

@@ -133,20 +133,26 @@ def _per_epoch(counts: Dict[int, int]) -> str:
 
 
 def landing(layout: Layout, global_step: int, planned: PlannedSteps) -> Tuple[int, int]:
-    """(0-based epoch, sample position) where the Trainer resumes on ``layout`` from ``global_step``."""
+    """(0-based epoch, slot) where the Trainer resumes on ``layout`` from ``global_step``: the slot of the epoch's
+    padded order (past ``examples``, a slot holds a copy of an earlier sample; :func:`clamped` gives the position)."""
     n, g = layout.micro_batches_per_epoch, layout.gradient_accumulation_steps
     per_epoch = rules.planned_updates_per_epoch(planned.value, n, g)
     skip = (global_step % per_epoch) * g if per_epoch else 0
-    return (global_step // per_epoch if per_epoch else 0), min(skip * layout.samples_per_micro_batch, layout.examples)
+    return (global_step // per_epoch if per_epoch else 0), skip * layout.samples_per_micro_batch
 
 
 def example_landing(layout: Layout, global_step: int) -> Tuple[int, int]:
-    """(0-based epoch, sample position) where transformers' run_*_no_trainer.py examples resume from ``step_N`` on
-    ``layout``: ``N * G`` micro-batches of the new dataloader, whole epochs first (``skip_first_batches``), as if
-    every update took G micro-batches (an epoch's short last window does not)."""
+    """(0-based epoch, slot) where transformers' run_*_no_trainer.py examples resume from ``step_N`` on ``layout``:
+    ``N * G`` micro-batches of the new dataloader, whole epochs first (``skip_first_batches``), as if every update
+    took G micro-batches (an epoch's short last window does not)."""
     n = layout.micro_batches_per_epoch
     at = global_step * layout.gradient_accumulation_steps
-    return at // n, min((at % n) * layout.samples_per_micro_batch, layout.examples)
+    return at // n, (at % n) * layout.samples_per_micro_batch
+
+
+def clamped(layout: Layout, where: Tuple[int, int]) -> Tuple[int, int]:
+    """A (0-based epoch, slot) as a position of the epoch's order: the padding's slots all stand at its end."""
+    return where[0], min(where[1], layout.examples)
 
 
 def position(layout: Layout, epoch: int, micro_batches: int) -> Tuple[int, int]:
@@ -164,17 +170,28 @@ def resume_shift(saved: Layout, resumed: Layout, global_step: int, stood: Tuple[
     trained either way); ``place``: where the resuming code lands on a layout (default: the Trainer's
     :func:`landing` under ``planned``)."""
     place = place or (lambda layout, step: landing(layout, step, planned))
-    lands = place(resumed, global_step)
-    shift = ResumeShift(saved, resumed, global_step, stood, lands)
-    span = _between(stood, lands, saved.examples) if lands > stood else _between(lands, stood, saved.examples)
-    span = {epoch: n for epoch, n in span.items() if epochs is None or epoch <= epochs}
-    if lands > stood:
-        shift.skipped = span
-    elif lands < stood:
-        shift.repeated = span
+    slot = place(resumed, global_step)
+    shift = ResumeShift(saved, resumed, global_step, stood, clamped(resumed, slot))
+    shift.skipped, shift.repeated = _counts(resumed, stood, slot, epochs)
     if not shift.exact:
-        shift.fixed_layouts = _fixes(saved, resumed, global_step, stood, place)
+        shift.fixed_layouts = _fixes(saved, resumed, global_step, stood, place, epochs)
     return shift
+
+
+def _counts(resumed: Layout, stood: Tuple[int, int], slot: Tuple[int, int],
+            epochs: Optional[int]) -> Tuple[Dict[int, int], Dict[int, int]]:
+    """(skipped, repeated) per 1-based epoch of a resume on ``resumed`` that starts at ``slot``, where the run
+    stood at ``stood``."""
+    lands = clamped(resumed, slot)
+    span = _between(stood, lands, resumed.examples) if lands > stood else _between(lands, stood, resumed.examples)
+    skipped, repeated = (span, {}) if lands > stood else ({}, span) if lands < stood else ({}, {})
+    _count_the_padding(resumed, stood, slot, skipped, repeated)
+    return _within(skipped, epochs), _within(repeated, epochs)
+
+
+def _within(counts: Dict[int, int], epochs: Optional[int]) -> Dict[int, int]:
+    """The epochs of ``counts`` with something in them, up to the run's last."""
+    return {epoch: n for epoch, n in counts.items() if n and (epochs is None or epoch <= epochs)}
 
 
 REPLAY_ADVICE = ("resume from a checkpoint saved at an epoch's end, on the number of ranks it was saved on, or give "
@@ -205,6 +222,51 @@ def replayed_epoch_shift(saved: Layout, resumed: Layout, stood: Tuple[int, int],
     return shift
 
 
+def _count_the_padding(resumed: Layout, stood: Tuple[int, int], slot: Tuple[int, int], skipped: Dict[int, int],
+                       repeated: Dict[int, int]) -> None:
+    """The epoch the resume lands in, counted by sample: where the epoch does not divide among the resumed ranks,
+    accelerate pads its last round with the first samples of the order again (slot ``p`` holds sample ``p mod D``),
+    so a padded slot the resumed run trains can train a sample the skip passed over, or one trained before the save.
+    Every other epoch is trained whole by one side at least, where the padding changes nothing."""
+    examples = resumed.examples
+    padded_to = resumed.micro_batches_per_epoch * resumed.samples_per_micro_batch
+    epoch, start = slot
+    if padded_to <= examples or resumed.world_size == 1:  # one process is not sharded: its last batch is short
+        return
+    copies = _cyclic(max(start, examples), padded_to, examples)
+    trained_before = [(0, stood[1] if stood[0] == epoch else examples if stood[0] > epoch else 0)]
+    trained_after = _union([(min(start, examples), examples), *copies])
+    both = _length(_intersection(trained_before, trained_after))
+    either = _length(_union(trained_before + trained_after))
+    skipped[epoch + 1], repeated[epoch + 1] = examples - either, both
+
+
+def _cyclic(low: int, high: int, examples: int) -> List[Tuple[int, int]]:
+    """The positions slots ``[low, high)`` hold, slot ``p`` holding sample ``p mod examples``."""
+    if high - low >= examples:
+        return [(0, examples)]
+    low, high = low % examples, low % examples + high - low
+    return [(low, min(high, examples))] + ([(0, high - examples)] if high > examples else [])
+
+
+def _union(intervals: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    merged: List[Tuple[int, int]] = []
+    for low, high in sorted(i for i in intervals if i[1] > i[0]):
+        if merged and low <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], high))
+        else:
+            merged.append((low, high))
+    return merged
+
+
+def _intersection(first: List[Tuple[int, int]], second: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    return [(max(a, c), min(b, d)) for a, b in first for c, d in second if min(b, d) > max(a, c)]
+
+
+def _length(intervals: List[Tuple[int, int]]) -> int:
+    return sum(high - low for low, high in _union(intervals))
+
+
 def _between(start: Tuple[int, int], end: Tuple[int, int], examples: int) -> Dict[int, int]:
     """Samples per 1-based epoch from position ``start`` up to ``end`` (exclusive)."""
     counts = {}
@@ -217,7 +279,7 @@ def _between(start: Tuple[int, int], end: Tuple[int, int], examples: int) -> Dic
 
 
 def _fixes(saved: Layout, resumed: Layout, global_step: int, stood: Tuple[int, int],
-           place: Callable[[Layout, int], Tuple[int, int]]) -> List[Layout]:
+           place: Callable[[Layout, int], Tuple[int, int]], epochs: Optional[int]) -> List[Layout]:
     """The layouts on ``resumed``'s ranks, G or the batch changed, that keep the global batch and land exactly where
     the run stood."""
     found: List[Layout] = []
@@ -227,6 +289,6 @@ def _fixes(saved: Layout, resumed: Layout, global_step: int, stood: Tuple[int, i
         if batch < 1 or gas < 1 or w * batch * gas != keep:
             continue
         fixed = Layout(w, batch, gas, saved.examples, resumed.zero_stage)
-        if fixed not in found and place(fixed, global_step) == stood:
+        if fixed not in found and _counts(fixed, stood, place(fixed, global_step), epochs) == ({}, {}):
             found.append(fixed)
     return found

@@ -156,6 +156,9 @@ class SyncReport:
             lines.append(f"not finite: {self.non_finite}; the updates after it trained nothing")
         if self.epochs:
             lines.append(f"trained: {len(self.epochs)} epoch(s), {self.micro_batches} micro-batch(es)")
+        if self.unapplied_micro_batches:
+            lines.append(f"never applied: the last {self.unapplied_micro_batches} micro-batch(es), in the "
+                         f"{self.updater}'s window that never closed")
         if self.resume_shift is not None and not self.resume_shift.exact:
             lines.append(f"resumed on another layout: {self.resume_shift.message()}")
         lines += [f"updates: {flaw}" for flaw in self.weight_faults + self.update_flaws]

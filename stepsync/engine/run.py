@@ -159,6 +159,7 @@ class Run(UpdateOutcomes):
             steering = self._took(self.action.after_micro_batch(self, trainer_updated, engine_updated, trainer_steps))
             if steering is not None and steering.trainer_steps is not None:
                 trainer_steps = steering.trainer_steps
+                self._adopted(trainer_steps)
         if trainer_updated or self.checks_every_micro_batch:
             self.trainer_steps_seen = trainer_steps
             # check()'s own test, without its call: the report's counts catch up at the next event or epoch end
@@ -175,6 +176,7 @@ class Run(UpdateOutcomes):
         steering = self._took(self.action.at_epoch_end(self, trainer_steps))
         if steering is not None and steering.trainer_steps is not None:
             trainer_steps = steering.trainer_steps
+            self._adopted(trainer_steps)
         self.trainer_steps_seen = trainer_steps
         if self.observing:
             self._observe(self._close_epoch, trainer_steps)
@@ -203,6 +205,14 @@ class Run(UpdateOutcomes):
         if last is not None and self.position >= last:
             return self.epoch + 1, 0
         return self.epoch, self.position
+
+    def _adopted(self, trainer_steps: int) -> None:
+        """The policy set the count to the engine's: a drift carried until now is taken back, not a new event."""
+        if self.last_drift and trainer_steps == self.engine_steps_seen and self.observing:
+            self.note(f"policy '{self.report.policy.value}' set the {self.report.counter}'s count to the "
+                      f"{self.report.updater}'s ({trainer_steps}) at epoch {self.epoch + 1}, micro-batch "
+                      f"{self.position}: the drift {self.last_drift:+d} carried until then is taken back")
+            self.last_drift = 0
 
     def _took(self, steering: Optional[Steering]) -> Optional[Steering]:
         if steering is not None and steering.replacement is not None:

@@ -16,7 +16,7 @@ from typing import List, Optional
 
 from ..core.errors import StepSyncConfigError
 from ..core.record import load_record
-from ..core.relayout import Layout, ResumeShift, example_landing, landing, position, resume_shift
+from ..core.relayout import Layout, ResumeShift, clamped, example_landing, landing, position, resume_shift
 from ..core.versions import PlannedSteps
 from .audit import audit_checkpoint
 from .resume_audit import planned_here, resume_on
@@ -168,7 +168,7 @@ def example_shift(folder: str, world_size: int, batch: int, gas: int, examples: 
     step = int(number)
     record = load_record(folder)  # stepsync.watch's: where the run really stood, whatever the name says
     if record is None:
-        stood = landing(saved, step, PlannedSteps.CEIL)  # accumulate(): ceil(N/G) updates an epoch, the last short
+        stood = clamped(saved, landing(saved, step, PlannedSteps.CEIL))  # accumulate(): ceil(N/G) an epoch
     else:
         stood = position(saved, record.next_epoch, record.next_skip)
         if record.unapplied_at_save:

@@ -97,9 +97,11 @@ def run_after_the_flow_callback(trainer: Any, callback: Any) -> None:
 
 
 def set_global_step(trainer: Any, state: Any, value: int) -> None:
-    """Set ``state.global_step`` before the first step, and the logging mark the Trainer took from it."""
+    """Set ``state.global_step`` before the first step, and the marks the Trainer took from it."""
     if getattr(trainer, "_globalstep_last_logged", None) == state.global_step:
         trainer._globalstep_last_logged = value  # else the first log waits until the old count is passed
+    if getattr(trainer, "_initial_global_step", None) == state.global_step:
+        trainer._initial_global_step = value  # transformers >= 5 divides the final train_loss by the count from it
     state.global_step = value
 
 

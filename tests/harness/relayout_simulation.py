@@ -1,25 +1,28 @@
 """Brute-force simulation of a resume on another layout, micro-batch by micro-batch: accelerate's sharding of an
-epoch's batches over the ranks (the last round padded from the start), the saved run up to its checkpoint, then
-the Trainer's own resume arithmetic on the new layout (``skip_first_batches``) to the end; no closed form."""
-from collections import Counter
+epoch's batches over the ranks (``BatchSamplerShard``: the last round completed with the first samples of the order
+again), the saved run up to its checkpoint, then the Trainer's own resume arithmetic on the new layout
+(``skip_first_batches``) to the end; no closed form. A sample is skipped when neither run trains it in an epoch, and
+repeated when both do (each layout's own padding, present with or without a resume, is not a repeat)."""
 from typing import Dict, Tuple
 
 
 def positions(examples, world, batch, micro_batch):
-    """The epoch's positions (< examples) that every rank's micro-batch ``micro_batch`` covers."""
-    batches = -(-examples // batch)
+    """The samples every rank's micro-batch ``micro_batch`` trains: its batch of the epoch's order, or, in the last
+    round, the order's first samples again (accelerate's ``initial_data``)."""
+    if world == 1:  # one process is not sharded: its last batch is short
+        return list(range(micro_batch * batch, min((micro_batch + 1) * batch, examples)))
     covered = []
     for rank in range(world):
         index = micro_batch * world + rank
-        if index < batches:  # a padded round repeats batches from the start: not new positions
-            covered.extend(range(index * batch, min((index + 1) * batch, examples)))
+        covered.extend(slot % examples for slot in range(index * batch, (index + 1) * batch))
     return covered
 
 
 def simulate(examples, saved, resumed, epochs, stood_epoch, stood_micro, global_step, planned) -> Tuple[Dict, Dict]:
     """(skipped, repeated) per 1-based epoch: the saved run ``(world, batch, G)`` trained up to micro-batch
     ``stood_micro`` of ``stood_epoch``; the resumed one starts where the Trainer's arithmetic puts it."""
-    trained = {epoch: Counter() for epoch in range(epochs)}
+    before = {epoch: set() for epoch in range(epochs)}
+    after = {epoch: set() for epoch in range(epochs)}
 
     def per_rank(world, batch):
         return -(-(-(-examples // batch)) // world)
@@ -27,18 +30,18 @@ def simulate(examples, saved, resumed, epochs, stood_epoch, stood_micro, global_
     for epoch in range(stood_epoch + 1):
         end = stood_micro if epoch == stood_epoch else per_rank(saved[0], saved[1])
         for micro in range(end):
-            trained[epoch].update(positions(examples, saved[0], saved[1], micro))
+            before[epoch].update(positions(examples, saved[0], saved[1], micro))
     world, batch, gas = resumed
     n = per_rank(world, batch)
     per_epoch = -(-n // gas) if planned == "ceil" else max(n // gas, 1)
     first_epoch, skip = global_step // per_epoch, (global_step % per_epoch) * gas
     for epoch in range(first_epoch, epochs):
         for micro in range(skip if epoch == first_epoch else 0, n):
-            trained[epoch].update(positions(examples, world, batch, micro))
+            after[epoch].update(positions(examples, world, batch, micro))
     skipped, repeated = {}, {}
-    for epoch, counts in trained.items():
-        missing = examples - len(counts)
-        twice = sum(c - 1 for c in counts.values())
+    for epoch in range(epochs):
+        missing = examples - len(before[epoch] | after[epoch])
+        twice = len(before[epoch] & after[epoch])
         if missing:
             skipped[epoch + 1] = missing
         if twice:

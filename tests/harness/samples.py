@@ -5,18 +5,29 @@ from collections import Counter
 
 def skipped_and_repeated(saved, resumed, checkpoint_step, samples, epochs):
     """(skipped, repeated) per 1-based epoch, from the samples every rank trained: the saved run up to its
-    checkpoint, then the resumed run."""
-    counts = {epoch: Counter() for epoch in range(epochs)}
+    checkpoint, then the resumed run. A sample is skipped when neither trains it in an epoch, repeated when both do
+    (a sampler that pads an epoch trains a few samples twice on its own, with or without a resume: not a repeat)."""
+    before = {epoch: set() for epoch in range(epochs)}
+    after = {epoch: set() for epoch in range(epochs)}
     for rank in saved:
         for epoch, step_before, indices in rank["trained"]:
             if step_before < checkpoint_step:
-                counts[epoch].update(indices)
+                before[epoch].update(indices)
     for rank in resumed:
         for epoch, _, indices in rank["trained"]:
-            counts[epoch].update(indices)
-    skipped = {e + 1: samples - len(c) for e, c in counts.items() if samples - len(c)}
-    repeated = {e + 1: sum(n - 1 for n in c.values()) for e, c in counts.items() if sum(n - 1 for n in c.values())}
+            after[epoch].update(indices)
+    skipped = {e + 1: samples - len(before[e] | after[e]) for e in range(epochs) if samples - len(before[e] | after[e])}
+    repeated = {e + 1: len(before[e] & after[e]) for e in range(epochs) if before[e] & after[e]}
     return skipped, repeated
+
+
+def padded_twice(ranks, samples, epochs):
+    """Per 1-based epoch, the samples one run trained twice within itself (its sampler's padding)."""
+    counts = {epoch: Counter() for epoch in range(epochs)}
+    for rank in ranks:
+        for epoch, _, indices in rank["trained"]:
+            counts[epoch].update(indices)
+    return {e + 1: sum(n - 1 for n in c.values()) for e, c in counts.items() if sum(n - 1 for n in c.values())}
 
 
 def said(rank):

@@ -100,3 +100,97 @@ def test_an_unreadable_record_is_reported_and_the_run_goes_on(tmp_path):
     assert resumed.error is None and report.active and report.resumed_from is None
     assert any("record in the checkpoint is unreadable" in note for note in report.notes)
     assert (resumed.trainer.state.global_step, resumed.engine.global_steps, report.drift) == (9, 9, 0)
+
+
+def logged_losses(result):
+    """The loss of every log record this run wrote (``logging_steps=1``)."""
+    history = result.trainer.state.log_history[result.recording.history_at_start:]
+    return [record["loss"] for record in history if "loss" in record]
+
+
+def loss_recording_trainer(losses):
+    """A Trainer that keeps what each micro-batch's ``training_step`` returned: what the Trainer sums into its loss."""
+    from transformers import Trainer
+
+    class LossRecording(Trainer):
+        def training_step(self, *args, **kwargs):
+            loss = super().training_step(*args, **kwargs)
+            losses.append(float(loss))
+            return loss
+
+    return LossRecording
+
+
+@pytest.mark.parametrize("policy, step", [
+    ("drop_last", 3),
+    pytest.param("realign", 4, marks=pytest.mark.skipif(not DRIFTS, reason="realign acts where the counts drift")),
+])
+def test_train_loss_after_a_resume_is_the_mean_of_the_windows_trained(tmp_path, policy, step):
+    """Where stepsync keeps the data position's count in trainer_state.json (drop_last's checkpoint-3 says 4,
+    realign's checkpoint-4 says 5), the Trainer takes the divisor of its final train_loss from that count: stepsync
+    moves it with the real one, so train_loss is the summed loss of the windows this run trained over their number."""
+    n, g = 10, 3
+    run(tmp_path / "full", n, g, EPOCHS, stage=2, policy=policy, save_strategy="steps", save_steps=1)
+    folder = tmp_path / "full" / f"checkpoint-{step}"
+    assert json.loads((folder / "trainer_state.json").read_text())["global_step"] == step + 1
+    losses = []
+    resumed = run(tmp_path / policy, n, g, EPOCHS, stage=2, policy=policy, resume_from_checkpoint=str(folder),
+                  trainer_class=loss_recording_trainer(losses))
+    assert resumed.error is None and len(losses) == len(resumed.recording.engine_steps)
+    windows = len(resumed.recording.trainer_updates_at)  # the Trainer's own windows in this run
+    train_loss = resumed.trainer.state.log_history[-1]["train_loss"]
+    assert train_loss == pytest.approx(sum(losses) / windows, rel=1e-6)  # summed in float32 by the Trainer
+    if policy == "drop_last":  # every window logged once (logging_steps=1): their mean
+        assert len(logged_losses(resumed)) == windows
+        assert train_loss == pytest.approx(sum(logged_losses(resumed)) / windows, rel=1e-6)
+
+
+@pytest.mark.skipif(not DRIFTS, reason="realign acts where the counts drift")
+def test_realign_resumed_names_every_micro_batch_never_applied(tmp_path):
+    """realign follows DeepSpeed's windows; a resume restarts them and a checkpoint saved inside one loses it, so the
+    resumed run ends with fewer updates than the uninterrupted one: the report names each micro-batch that never
+    reaches an update (lost at the save, never trained after the run's last update, trained in the last window)."""
+    n, g = 10, 3
+    full = run(tmp_path / "full", n, g, EPOCHS, stage=2, policy="realign", save_strategy="epoch")
+    resumed = run(tmp_path / "resumed", n, g, EPOCHS, stage=2, policy="realign",
+                  resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
+    assert (full.engine.global_steps, resumed.engine.global_steps) == (10, 9)
+    report, rec = resumed.callback.report, resumed.recording
+    # The truth: the engine's open window at the save, the micro-batches trained after the resume, the last update.
+    assert report.resumed_from.unapplied_at_save == 1 == n - max(i for i in full.recording.engine_updates_at if i <= n)
+    trained = len(rec.engine_steps)
+    never_trained = (EPOCHS - 1) * n - trained
+    unapplied_at_end = trained - rec.engine_updates_at[-1]
+    assert (trained, never_trained, unapplied_at_end) == (19, 1, 1)
+    assert report.update_flaws == [f"the run ends at the engine's last update (max_steps=9): the {never_trained} "
+                                   "micro-batch(es) after it are never trained (fewer than G: no update would apply "
+                                   "them)"]
+    assert report.unapplied_micro_batches == unapplied_at_end
+    text = str(report)
+    assert f"never applied: the last {unapplied_at_end} micro-batch(es), in the engine's window that never closed" in text
+    assert "saved with 1 micro-batch(es) in DeepSpeed's open window" in text
+
+
+@pytest.mark.skipif(not DRIFTS, reason="needs a checkpoint that carries drift")
+def test_the_start_and_the_end_agree_after_a_resume_with_inherited_drift(tmp_path):
+    """A checkpoint saved without stepsync on a drifting stack (checkpoint-3 holds global_step2), resumed as inspect
+    recommends (realign) or with sync: the forecast's verdict says the counts the run ends with."""
+    run(tmp_path / "full", N, G, 2, policy=None, save_strategy="steps", save_steps=1)
+    folder = str(tmp_path / "full" / "checkpoint-3")
+    synced = run(tmp_path / "sync", N, G, 2, policy="sync", resume_from_checkpoint=folder)
+    final = (synced.trainer.state.global_step, synced.engine.global_steps)
+    assert final == (6, 5)
+    assert synced.callback.report.forecast.verdict() == (
+        "aligned: the Trainer counts 6 updates, the engine makes 5: the drift +1 inherited at the start stays, no new "
+        "one under policy 'sync'")
+    realigned = run(tmp_path / "realign", N, G, 2, policy="realign", resume_from_checkpoint=folder)
+    report = realigned.callback.report
+    assert (realigned.trainer.state.global_step, realigned.engine.global_steps) == (report.trainer_steps,
+                                                                                   report.engine_steps) == (4, 4)
+    verdict = report.forecast.verdict()
+    assert verdict.startswith("affected: both sides count 4 updates under policy 'realign'; the run ends at the "
+                              "engine's last update (max_steps=4): the 1 micro-batch(es) after it are never trained")
+    assert N - len(realigned.recording.engine_steps) == 1  # the truth: 4 of epoch 2's 5 micro-batches trained
+    # The inherited drift is an event; realign taking it back at its first correction is a note, not a "+0" event.
+    assert [(event.cause.name, event.drift) for event in report.events] == [("INHERITED", 1)]
+    assert any("the drift +1 carried until then is taken back" in note for note in report.notes)

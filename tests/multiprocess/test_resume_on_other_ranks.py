@@ -61,6 +61,31 @@ def test_what_stepsync_says_the_resume_does_is_what_it_trains(saved, name, world
         assert resumed[0]["logged"] and all(logged == totals for logged in resumed[0]["logged"])
 
 
+@pytest.fixture(scope="module")
+def odd(tmp_path_factory):
+    """Datasets that do not divide among two ranks: accelerate completes the last round with the first samples of
+    the epoch's order again, so a padded slot trains a sample twice, or one a skip passed over."""
+    out = tmp_path_factory.mktemp("relayout-odd")
+    return out, {"thirteen": launch(out, "thirteen", 1, 13, 4, 3), "eleven": launch(out, "eleven", 1, 11, 2, 3),
+                 "thirteen-on-two": launch(out, "thirteen-on-two", 2, 13, 3, 3)}
+
+
+@pytest.mark.parametrize("name, world, gas, base, samples, step, expected", [
+    # 13 samples, 1 -> 2 ranks: 8 slots of epoch 2 skipped, one of them a copy of a sample the padding trains.
+    ("thirteen-to-two", 2, 4, "thirteen", 13, 3, ({1: 1, 2: 7}, {})),
+    # 11 samples, 1 -> 2 ranks: the padded slot trains again a sample trained before the save.
+    ("eleven-to-two", 2, 2, "eleven", 11, 2, ({1: 4}, {1: 1})),
+    # 13 samples saved on 2 ranks (padded), resumed on 1.
+    ("thirteen-to-one", 1, 3, "thirteen-on-two", 13, 4, ({}, {1: 1, 2: 6})),
+])
+def test_a_dataset_the_ranks_do_not_divide_is_counted_by_sample(odd, name, world, gas, base, samples, step, expected):
+    out, runs = odd
+    resumed = launch(out, name, world, samples, gas, 3, checkpoint=str(out / base / f"checkpoint-{step}"))
+    assert all(rank["error"] is None for rank in resumed)
+    assert truth(runs[base], resumed, step, samples, 3) == expected
+    assert all(said(rank) == expected for rank in resumed)
+
+
 def test_a_fix_is_named_and_raise_stops_every_rank_before_any_micro_batch(saved):
     out, _ = saved
     stopped = launch(out, "raise", 2, 12, 4, 3, policy="raise", checkpoint=str(out / "one" / "checkpoint-4"))
