@@ -145,9 +145,14 @@ def example_landing(layout: Layout, global_step: int) -> Tuple[int, int]:
     """(0-based epoch, slot) where transformers' run_*_no_trainer.py examples resume from ``step_N`` on ``layout``:
     ``N * G`` micro-batches of the new dataloader, whole epochs first (``skip_first_batches``), as if every update
     took G micro-batches (an epoch's short last window does not)."""
+    return micro_batch_landing(layout, global_step * layout.gradient_accumulation_steps)
+
+
+def micro_batch_landing(layout: Layout, micro_batches: int) -> Tuple[int, int]:
+    """(0-based epoch, slot) after ``micro_batches`` of the new dataloader, whole epochs first: where accelerate's
+    ``examples/by_feature/checkpointing.py`` resumes from ``step_N``, whose N counts micro-batches."""
     n = layout.micro_batches_per_epoch
-    at = global_step * layout.gradient_accumulation_steps
-    return at // n, (at % n) * layout.samples_per_micro_batch
+    return micro_batches // n, (micro_batches % n) * layout.samples_per_micro_batch
 
 
 def clamped(layout: Layout, where: Tuple[int, int]) -> Tuple[int, int]:

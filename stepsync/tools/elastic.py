@@ -12,11 +12,20 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Callable, List, Optional, Tuple
 
 from ..core.errors import StepSyncConfigError
 from ..core.record import load_record
-from ..core.relayout import Layout, ResumeShift, clamped, example_landing, landing, position, resume_shift
+from ..core.relayout import (
+    Layout,
+    ResumeShift,
+    clamped,
+    example_landing,
+    landing,
+    micro_batch_landing,
+    position,
+    resume_shift,
+)
 from ..core.versions import PlannedSteps
 from .audit import audit_checkpoint
 from .resume_audit import planned_here, resume_on
@@ -167,6 +176,8 @@ def example_shift(folder: str, world_size: int, batch: int, gas: int, examples: 
     saved, resumed = Layout(max(ranks) + 1, batch, gas, examples), Layout(world_size, batch, gas, examples)
     step = int(number)
     record = load_record(folder)  # stepsync.watch's: where the run really stood, whatever the name says
+    place: Callable[[Layout, int], Tuple[int, int]] = example_landing
+    arithmetic = f"{step} updates x G={gas} micro-batches, whole epochs first"
     if record is None:
         stood = clamped(saved, landing(saved, step, PlannedSteps.CEIL))  # accumulate(): ceil(N/G) an epoch
     else:
@@ -174,15 +185,18 @@ def example_shift(folder: str, world_size: int, batch: int, gas: int, examples: 
         if record.unapplied_at_save:
             notes.append(f"the last {record.unapplied_at_save} micro-batch(es) before the save were trained but were "
                          "in DeepSpeed's open window: their gradients are not in the checkpoint")
-    shift = resume_shift(saved, resumed, step, stood, PlannedSteps.CEIL, place=example_landing)
+        if step != record.trainer_steps and step == record.next_epoch * saved.micro_batches_per_epoch + \
+                record.next_skip:  # the name counts micro-batches (accelerate's checkpointing.py), not updates
+            place, arithmetic = micro_batch_landing, f"{step} micro-batches, whole epochs first"
+    shift = resume_shift(saved, resumed, step, stood, PlannedSteps.CEIL, place=place)
     same = saved.world_size == world_size
     if shift.exact and same:
         return None
     where = "where it stood from stepsync's record, " if record is not None else ""
     shift.read_from_files = (f"{where}{len(ranks)} rank(s) read from its random_states files, batch {batch} and "
                              f"G={gas} taken as the ones given")
-    shift.placement = (f"the examples' arithmetic ({step} updates x G={gas} micro-batches, whole epochs first) places "
-                       f"the resume at epoch {shift.lands[0] + 1}, sample {shift.lands[1]} of its order")
+    shift.placement = (f"the examples' arithmetic ({arithmetic}) places the resume at epoch {shift.lands[0] + 1}, "
+                       f"sample {shift.lands[1]} of its order")
     count = "skip the micro-batches your loop really trained in that epoch (save the count with the checkpoint)"
     shift.advice = (f"the examples count G micro-batches for an epoch's short last update: {count}" if same else
                     f"no batch or G on these ranks lands there: resume on the saved layout, or {count}")

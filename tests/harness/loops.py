@@ -69,7 +69,8 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
              before_micro_batch: Optional[Callable[[int], None]] = None, bf16: bool = False,
              nan_at: Optional[int] = None, max_norm: Optional[float] = None, code_g: Optional[int] = None,
              config_g=None, told_g: Optional[int] = None, save_to: Optional[str] = None,
-             resume_from: Optional[str] = None, save_every_micro_batch: bool = False) -> LoopRun:
+             resume_from: Optional[str] = None, save_every_micro_batch: bool = False,
+             names_count_micro_batches: bool = False) -> LoopRun:
     """Train the tiny model with a loop shaped like transformers' run_clm_no_trainer.py on accelerate + DeepSpeed.
 
     ``policy=None`` runs without stepsync; ``outside_accumulate`` calls ``accelerator.backward`` outside
@@ -84,6 +85,8 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
     (``save_every_micro_batch``: at every micro-batch while ``completed_steps`` is N, as copies of the example before
     it checked ``sync_gradients`` did); ``resume_from`` loads one and places the data with the example's own
     arithmetic (transformers' ``examples/pytorch/language-modeling/run_clm_no_trainer.py``).
+    ``names_count_micro_batches`` names and places them as accelerate's ``examples/by_feature/checkpointing.py``
+    does: ``step_N`` every G micro-batches, N counting micro-batches, and on resume N micro-batches skipped.
     """
     cpu_distributed_env()
     import torch
@@ -122,6 +125,10 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
         if "epoch" in training_difference:
             starting_epoch = int(training_difference.replace("epoch_", "")) + 1
             completed = starting_epoch * steps_per_epoch
+        elif names_count_micro_batches:  # checkpointing.py's resume
+            resume_step = int(training_difference.replace("step_", ""))
+            starting_epoch = resume_step // len(dataloader)
+            resume_step -= starting_epoch * len(dataloader)
         else:
             resume_step = int(training_difference.replace("step_", "")) * gas
             starting_epoch = resume_step // len(dataloader)
@@ -153,7 +160,12 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
                     completed += 1
                 result.loop_steps.append(completed)
                 result.engine_steps.append(engine.global_steps)
-                if save_to and (accelerator.sync_gradients or save_every_micro_batch) and completed:
+                overall = len(result.loop_steps)
+                if save_to and names_count_micro_batches and overall % gas == 0:
+                    accelerator.save_state(os.path.join(save_to, f"step_{overall}"))
+                    result.saved[f"step_{overall}"] = (completed, engine.global_steps)
+                elif save_to and (accelerator.sync_gradients or save_every_micro_batch) and completed and \
+                        not names_count_micro_batches:
                     accelerator.save_state(os.path.join(save_to, f"step_{completed}"))
                     result.saved[f"step_{completed}"] = (completed, engine.global_steps)
             result.epoch_ends.append((completed, engine.global_steps))

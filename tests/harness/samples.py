@@ -1,6 +1,5 @@
 """What a resumed run really trained, from the samples every rank recorded (tests/multiprocess/relayout_runs.py's
 recording Trainer), never from stepsync."""
-from collections import Counter
 
 
 def skipped_and_repeated(saved, resumed, checkpoint_step, samples, epochs):
@@ -19,15 +18,6 @@ def skipped_and_repeated(saved, resumed, checkpoint_step, samples, epochs):
     skipped = {e + 1: samples - len(before[e] | after[e]) for e in range(epochs) if samples - len(before[e] | after[e])}
     repeated = {e + 1: len(before[e] & after[e]) for e in range(epochs) if before[e] & after[e]}
     return skipped, repeated
-
-
-def padded_twice(ranks, samples, epochs):
-    """Per 1-based epoch, the samples one run trained twice within itself (its sampler's padding)."""
-    counts = {epoch: Counter() for epoch in range(epochs)}
-    for rank in ranks:
-        for epoch, _, indices in rank["trained"]:
-            counts[epoch].update(indices)
-    return {e + 1: sum(n - 1 for n in c.values()) for e, c in counts.items() if sum(n - 1 for n in c.values())}
 
 
 def said(rank):

@@ -169,3 +169,28 @@ def test_resume_settings_place_a_mid_window_save_where_the_run_stood(saved):
     assert settings.shift.skipped == {3: 2} and settings.shift.repeated == {}
     assert "the last 2 micro-batch(es) before the save were trained but were in DeepSpeed's open window" in \
         " ".join(settings.notes)
+
+
+def test_a_loop_that_names_its_checkpoints_by_micro_batches(tmp_path):
+    """accelerate's examples/by_feature/checkpointing.py names step_N by micro-batches and saves every K of them,
+    wherever a window stands; on resume it skips N micro-batches. The watch's report continues from the record, and
+    resume_settings reads the arithmetic from it: the name is the micro-batches done, not the updates."""
+    import stepsync
+
+    full = loop("sync", save_to=str(tmp_path), names_count_micro_batches=True)
+    assert full.error is None and full.saved["step_12"] == (4, 4)  # epoch 2, two micro-batches into a window
+    folder = str(tmp_path / "step_12")
+    settings = stepsync.resume_settings(folder, 1, 1, G, examples=N, loop="accelerate")
+    resumed = loop("sync", resume_from=folder, names_count_micro_batches=True)
+    report = resumed.watch.report
+    assert resumed.error is None and report.forecast_mismatches == [] and report.events == []
+    # The truth: the loop resumes two micro-batches into epoch 2, where the record says the run stood; its updates
+    # are those of the saved run up to micro-batch 12 and those after (this example keeps no count of its own).
+    assert resumed.trained[0][0] == 1 and len(resumed.trained) == 2 * N - 2
+    truth = (full.loop_steps[11] + resumed.loop_steps[-1], resumed.engine.global_steps)
+    assert settings.shift is None and settings.lands_exactly
+    assert "the last 2 micro-batch(es) before the save were trained but were in DeepSpeed's open window" in \
+        settings.message()
+    assert report.resumed_from.unapplied_at_save == 2 and (report.trainer_steps, report.engine_steps) == truth
+    assert truth == (12, 12)
+    assert not [note for note in report.notes if "resumes after micro-batch" in note]
