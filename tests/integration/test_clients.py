@@ -6,22 +6,11 @@ PEFT are installed (the drifting stack, scripts/stack.sh).
 import pytest
 
 from harness.stack import DRIFTS, needs_stack
+from harness.tokenizer import tiny_tokenizer
 
 pytestmark = [needs_stack, pytest.mark.integration]
 
 N, G, EPOCHS = 5, 2, 3  # the Trainer counts 3 updates per epoch; a drifting engine makes 7 in all
-
-
-def tiny_tokenizer():
-    """A word-level tokenizer built in memory (nothing downloaded), and the words it knows."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = [f"w{i}" for i in range(60)]
-    vocab = {"[PAD]": 0, "[UNK]": 1, "[EOS]": 2, **{word: i + 3 for i, word in enumerate(words)}}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]"), words
 
 
 def check(trainer, callback, recording, policy):
