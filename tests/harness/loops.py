@@ -124,7 +124,7 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
         training_difference = os.path.splitext(os.path.basename(resume_from))[0]
         if "epoch" in training_difference:
             starting_epoch = int(training_difference.replace("epoch_", "")) + 1
-            completed = starting_epoch * steps_per_epoch
+            completed = starting_epoch * -(-len(dataloader) // gas)  # the example recounts after prepare()
         elif names_count_micro_batches:  # checkpointing.py's resume
             resume_step = int(training_difference.replace("step_", ""))
             starting_epoch = resume_step // len(dataloader)

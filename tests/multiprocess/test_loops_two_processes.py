@@ -50,6 +50,24 @@ def test_every_rank_reports_what_its_loop_saw(ranks):
         assert tuple(sync["report_counts"]) == (loop, loop) and sync["epoch_ends"] == sync["forecast"]
 
 
+def test_a_loop_resumed_with_load_state_on_two_ranks_continues_its_report(tmp_path):
+    """Saved as run_clm_no_trainer.py saves (epoch_0 after the first epoch), resumed with load_state on both ranks:
+    every rank's report continues from the record rank 0 wrote, and equals what its loop counted."""
+    if STACK not in TWO_RANK_LOOPS:
+        pytest.skip("two-rank custom loops run on t446 and t457f (see the module's docstring)")
+    ranks = torchrun(tmp_path, "resume-warn", "resume-sync")
+    loop, engine = TWO_RANK_LOOPS[STACK]
+    for rank in ranks:
+        warn, sync = rank["resume-warn"], rank["resume-sync"]
+        assert warn["error"] is None and sync["error"] is None
+        assert warn["full"] == [loop, engine] and sync["full"] == [loop, loop]
+        for run in (warn, sync):
+            assert run["report_counts"] == run["truth"] and run["report_epochs"] == [list(e) for e in run["epoch_ends"]]
+            assert run["resumed_from"] == list(run["saved"]) and run["forecast_mismatches"] == []
+        assert sync["truth"] == [loop, loop] and sync["events"] == []
+    assert ranks[0]["resume-warn"] == ranks[1]["resume-warn"] and ranks[0]["resume-sync"] == ranks[1]["resume-sync"]
+
+
 def test_raise_stops_every_rank_at_the_same_step(ranks):
     drifts = TWO_RANK_LOOPS[STACK][0] != TWO_RANK_LOOPS[STACK][1]
     for rank in ranks:
