@@ -141,8 +141,10 @@ def find_engine(trainer: Any) -> Optional[Any]:
 
 
 def layout_of(args: Any, engine: Any, examples: Optional[int]) -> Optional[Layout]:
-    """How this run splits its data: data-parallel ranks, per-device batch, G, the dataset's length, ZeRO stage."""
-    if examples is None:
+    """How this run splits its data: data-parallel ranks, per-device batch, G, the dataset's length, ZeRO stage.
+    None where it cannot be told, and with ``dataloader_drop_last``, whose dropped tail the resume arithmetic of
+    :mod:`stepsync.core.relayout` does not model (it would count samples wrongly)."""
+    if examples is None or getattr(args, "dataloader_drop_last", False) is True:
         return None
     stage = getattr(engine, "zero_optimization_stage", None)
     world = getattr(engine, "dp_world_size", None) or args.world_size

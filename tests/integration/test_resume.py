@@ -194,3 +194,16 @@ def test_the_start_and_the_end_agree_after_a_resume_with_inherited_drift(tmp_pat
     # The inherited drift is an event; realign taking it back at its first correction is a note, not a "+0" event.
     assert [(event.cause.name, event.drift) for event in report.events] == [("INHERITED", 1)]
     assert any("the drift +1 carried until then is taken back" in note for note in report.notes)
+
+
+def test_a_resume_with_dataloader_drop_last_says_its_data_is_not_counted(tmp_path):
+    """dataloader_drop_last drops each layout's own tail of every epoch, which the resume arithmetic does not model:
+    no count is said rather than a wrong one."""
+    full = run(tmp_path / "full", N, G, EPOCHS, policy="sync", save_strategy="steps", save_steps=3,
+               dataloader_drop_last=True)
+    resumed = run(tmp_path / "resumed", N, G, EPOCHS, policy="sync", dataloader_drop_last=True,
+                  resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
+    report = resumed.callback.report
+    assert full.error is None and resumed.error is None and report.resume_shift is None
+    assert any(note.startswith("dataloader_drop_last=True: what a resume") for note in report.notes)
+    assert report.resumed_from.world_size is None  # the record keeps no layout to compare with
