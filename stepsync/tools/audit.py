@@ -290,7 +290,10 @@ def _compare_steps(audit: CheckpointAudit) -> None:
         audit.mismatches.append(
             f"{audit.name} holds DeepSpeed's {tag}: the Trainer counted {audit.counted} updates, the engine "
             f"made {audit.deepspeed_step} (drift {audit.drift:+d}, the DeepSpeed issue 7405 pattern); "
-            "a resume inherits it: resume with StepSyncCallback(policy='realign') or use policy='sync' from the start")
+            "a resume inherits it: resume with StepSyncCallback(policy='realign'), which adopts the engine's count "
+            "(the run then ends at the engine's last update, with fewer updates than planned and the micro-batches "
+            "after it untrained, both said), or with policy='sync', which keeps this drift and adds none; use "
+            "policy='sync' from the start")
 
 
 def _read_tag_folder(audit: CheckpointAudit, entries: List[str], verify_data: bool, tag: str = "") -> None:
