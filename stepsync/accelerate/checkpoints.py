@@ -38,7 +38,8 @@ class LoopCheckpoints:
 
     def after_save(self, run: Run, folder: str, loop_steps: int, since_loop_update: int) -> None:
         """Keep the record in the folder, and say a save that a resume cannot continue from exactly."""
-        if getattr(getattr(self.accelerator, "state", None), "is_main_process", True):
+        # Each node's first process: a node saving into a folder of its own keeps the record too (the same one).
+        if getattr(getattr(self.accelerator, "state", None), "is_local_main_process", True):
             write_json(os.path.join(folder, RECORD_FILE), record_of(run).to_dict())
         name = os.path.basename(os.path.normpath(folder))
         said = []
