@@ -38,9 +38,10 @@ class ResumeRecord:
         unapplied_at_save: micro-batches in DeepSpeed's open window at the save; DeepSpeed saves neither
             them nor its micro-step counter, so a resume loses their gradients and restarts its windows.
         events, corrections, dropped_micro_batches: the report so far.
-        world_size, per_device_batch, gradient_accumulation_steps, examples, zero_stage: the layout the run was
-            saved on (data-parallel ranks, samples per micro-batch per rank, G, the dataset's length), which a
-            resume on another layout is compared with; None in a record written before they were kept.
+        world_size, per_device_batch, gradient_accumulation_steps, examples, zero_stage, drop_last: the layout the
+            run was saved on (data-parallel ranks, samples per micro-batch per rank, G, the dataset's length, whether
+            the dataloader drops an epoch's tail), which a resume on another layout is compared with; None in a
+            record written before they were kept.
     """
 
     policy: str
@@ -58,6 +59,7 @@ class ResumeRecord:
     gradient_accumulation_steps: Optional[int] = None
     examples: Optional[int] = None
     zero_stage: Optional[int] = None
+    drop_last: Optional[bool] = None
 
     FORMAT = 1
     LAYOUT = tuple(f.name for f in fields(Layout))  # kept as fields of their own, each optional
@@ -69,7 +71,7 @@ class ResumeRecord:
             self.examples
         if world is None or batch is None or gas is None or examples is None:
             return None
-        return Layout(world, batch, gas, examples, self.zero_stage)
+        return Layout(world, batch, gas, examples, self.zero_stage, bool(self.drop_last))
 
     def resume_on(self, layout: Layout, global_step: int, planned: PlannedSteps,
                   epochs: Optional[int] = None) -> Optional[ResumeShift]:
@@ -112,7 +114,9 @@ class ResumeRecord:
                 events=[DriftEvent.from_dict(event) for event in data["events"]],
                 corrections=int(data["corrections"]),
                 dropped_micro_batches={int(k): int(v) for k, v in data["dropped_micro_batches"].items()},
-                **{name: None if data.get(name) is None else int(data[name]) for name in cls.LAYOUT},
+                **{name: None if data.get(name) is None else int(data[name]) for name in cls.LAYOUT
+                   if name != "drop_last"},
+                drop_last=None if data.get("drop_last") is None else bool(data["drop_last"]),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"a stepsync record with a missing or malformed field: {exc!r}") from None
@@ -206,7 +210,7 @@ def record_from_files(folder: str, global_step: int, resumed: Layout,
     (None, why not) where its files do not show a layout other than ``resumed``'s (:func:`layout_from_files`; what
     the files do not tell is taken as ``resumed``'s, said)."""
     saved, how = layout_from_files(folder, global_step, resumed.examples, planned, resumed.per_device_batch,
-                                   resumed.gradient_accumulation_steps, resumed.zero_stage)
+                                   resumed.gradient_accumulation_steps, resumed.zero_stage, resumed.drop_last)
     if saved is None:
         return None, how
     if (saved.world_size, saved.per_device_batch, saved.gradient_accumulation_steps) == (
@@ -217,9 +221,9 @@ def record_from_files(folder: str, global_step: int, resumed: Layout,
 
 def layout_from_files(folder: str, global_step: int, examples: int, planned: PlannedSteps,
                       batch: Optional[int] = None, g: Optional[int] = None,
-                      zero_stage: Optional[int] = None) -> Tuple[Optional[Layout], str]:
+                      zero_stage: Optional[int] = None, drop_last: bool = False) -> Tuple[Optional[Layout], str]:
     """(the layout a checkpoint was saved on, how it was read from its files) or (None, why not), for a run of
-    ``examples`` samples.
+    ``examples`` samples (its dataloader dropping an epoch's tail where ``drop_last``, as the resuming run's does).
 
     The processes come from its ``rng_state`` files, the per-device batch from its ``trainer_state.json`` (else
     ``batch``), G from the same file's ``max_steps``, ``num_train_epochs`` and ``epoch`` where one G alone fits them
@@ -237,14 +241,14 @@ def layout_from_files(folder: str, global_step: int, examples: int, planned: Pla
     saved_batch = saved_batch if isinstance(saved_batch, int) and saved_batch > 0 else batch
     if saved_batch is None:
         return None, f"{folder}: its trainer_state.json does not keep the per-device batch it was saved with"
-    per_epoch = Layout(world, saved_batch, 1, examples).micro_batches_per_epoch
+    per_epoch = Layout(world, saved_batch, 1, examples, drop_last=drop_last).micro_batches_per_epoch
     fitting = [fit for fit in range(1, per_epoch + 1) if _fits(state, per_epoch, fit, global_step, planned)]
     saved_g = fitting[0] if len(fitting) == 1 else g
     if saved_g is None:
         return None, (f"{folder}: {len(fitting) or 'no'} gradient_accumulation_steps fit its trainer_state.json: "
                       "the G it was saved with is unknown")
     how_g = "G from its max_steps and epoch" if len(fitting) == 1 else "G taken as this run's"
-    saved = Layout(world, saved_batch, saved_g, examples, zero_stage)
+    saved = Layout(world, saved_batch, saved_g, examples, zero_stage, drop_last)
     return saved, (f"no stepsync record in the checkpoint: {world} rank(s) read from its rng_state files, batch "
                    f"{saved_batch} from its trainer_state.json, {how_g}")
 

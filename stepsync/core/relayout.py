@@ -25,6 +25,9 @@ class Layout:
         gradient_accumulation_steps: G.
         examples: samples in an epoch (the dataset's length, D).
         zero_stage: DeepSpeed's ZeRO stage, when known.
+        drop_last: the dataloader drops an epoch's incomplete batch, and accelerate its incomplete last round of
+            batches on several ranks (``dataloader_drop_last``): each epoch's tail past :attr:`epoch_end` is never
+            trained on this layout.
     """
 
     world_size: int
@@ -32,6 +35,7 @@ class Layout:
     gradient_accumulation_steps: int
     examples: int
     zero_stage: Optional[int] = None
+    drop_last: bool = False
 
     def __post_init__(self) -> None:
         for name in ("world_size", "per_device_batch", "gradient_accumulation_steps", "examples"):
@@ -41,9 +45,18 @@ class Layout:
 
     @property
     def micro_batches_per_epoch(self) -> int:
-        """A rank's micro-batches per epoch: the batches of the epoch, shared out, the last rounds padded."""
+        """A rank's micro-batches per epoch: the batches of the epoch, shared out, the last round padded (dropped
+        with ``drop_last``, as is an incomplete batch)."""
+        if self.drop_last:
+            return self.examples // self.per_device_batch // self.world_size
         batches = -(-self.examples // self.per_device_batch)
         return -(-batches // self.world_size)
+
+    @property
+    def epoch_end(self) -> int:
+        """The position of the epoch's order where this layout's epoch ends: the dataset's end, or its dropped
+        tail's start."""
+        return min(self.micro_batches_per_epoch * self.samples_per_micro_batch, self.examples)
 
     @property
     def samples_per_micro_batch(self) -> int:
@@ -164,7 +177,7 @@ def position(layout: Layout, epoch: int, micro_batches: int) -> Tuple[int, int]:
     """(0-based epoch, sample position) of a run on ``layout`` after ``micro_batches`` of ``epoch``; the end of an
     epoch is the start of the next."""
     at = micro_batches * layout.samples_per_micro_batch
-    return (epoch + 1, 0) if at >= layout.examples else (epoch, at)
+    return (epoch + 1, 0) if at >= layout.epoch_end else (epoch, at)
 
 
 def resume_shift(saved: Layout, resumed: Layout, global_step: int, stood: Tuple[int, int], planned: PlannedSteps,
@@ -177,26 +190,10 @@ def resume_shift(saved: Layout, resumed: Layout, global_step: int, stood: Tuple[
     place = place or (lambda layout, step: landing(layout, step, planned))
     slot = place(resumed, global_step)
     shift = ResumeShift(saved, resumed, global_step, stood, clamped(resumed, slot))
-    shift.skipped, shift.repeated = _counts(resumed, stood, slot, epochs)
+    shift.skipped, shift.repeated = _counts(saved, resumed, stood, slot, epochs)
     if not shift.exact:
         shift.fixed_layouts = _fixes(saved, resumed, global_step, stood, place, epochs)
     return shift
-
-
-def _counts(resumed: Layout, stood: Tuple[int, int], slot: Tuple[int, int],
-            epochs: Optional[int]) -> Tuple[Dict[int, int], Dict[int, int]]:
-    """(skipped, repeated) per 1-based epoch of a resume on ``resumed`` that starts at ``slot``, where the run
-    stood at ``stood``."""
-    lands = clamped(resumed, slot)
-    span = _between(stood, lands, resumed.examples) if lands > stood else _between(lands, stood, resumed.examples)
-    skipped, repeated = (span, {}) if lands > stood else ({}, span) if lands < stood else ({}, {})
-    _count_the_padding(resumed, stood, slot, skipped, repeated)
-    return _within(skipped, epochs), _within(repeated, epochs)
-
-
-def _within(counts: Dict[int, int], epochs: Optional[int]) -> Dict[int, int]:
-    """The epochs of ``counts`` with something in them, up to the run's last."""
-    return {epoch: n for epoch, n in counts.items() if n and (epochs is None or epoch <= epochs)}
 
 
 REPLAY_ADVICE = ("resume from a checkpoint saved at an epoch's end, on the number of ranks it was saved on, or give "
@@ -227,23 +224,43 @@ def replayed_epoch_shift(saved: Layout, resumed: Layout, stood: Tuple[int, int],
     return shift
 
 
-def _count_the_padding(resumed: Layout, stood: Tuple[int, int], slot: Tuple[int, int], skipped: Dict[int, int],
-                       repeated: Dict[int, int]) -> None:
-    """The epoch the resume lands in, counted by sample: where the epoch does not divide among the resumed ranks,
-    accelerate pads its last round with the first samples of the order again (slot ``p`` holds sample ``p mod D``),
-    so a padded slot the resumed run trains can train a sample the skip passed over, or one trained before the save.
-    Every other epoch is trained whole by one side at least, where the padding changes nothing."""
-    examples = resumed.examples
+def _counts(saved: Layout, resumed: Layout, stood: Tuple[int, int], slot: Tuple[int, int],
+            epochs: Optional[int]) -> Tuple[Dict[int, int], Dict[int, int]]:
+    """(skipped, repeated) per 1-based epoch of a resume on ``resumed`` that starts at ``slot``, where the run on
+    ``saved`` stood at ``stood``, counted by sample over the part of each epoch both layouts train: a sample is
+    skipped when neither run trains it, repeated when both do. Each layout's own padding (a few samples twice) and
+    dropped tail (with ``drop_last``) are there with or without a resume, and not counted."""
+    common = min(saved.epoch_end, resumed.epoch_end)
+    skipped: Dict[int, int] = {}
+    repeated: Dict[int, int] = {}
+    for epoch in range(min(stood[0], slot[0]), max(stood[0], slot[0]) + 1):  # the others are trained whole once
+        if epochs is not None and epoch >= epochs:
+            break
+        before = [(0, saved.epoch_end if epoch < stood[0] else stood[1] if epoch == stood[0] else 0)]
+        after = _trained_after(resumed, 0 if epoch > slot[0] else slot[1] if epoch == slot[0] else None)
+        either = _length(_intersection(_union(before + after), [(0, common)]))
+        skipped[epoch + 1] = common - either
+        repeated[epoch + 1] = _length(_intersection(before, after))
+    return _within(skipped, epochs), _within(repeated, epochs)
+
+
+def _trained_after(resumed: Layout, start: Optional[int]) -> List[Tuple[int, int]]:
+    """The positions the resumed run trains in an epoch it starts at slot ``start`` (None: one it never reaches).
+    On several ranks without ``drop_last`` accelerate completes the last round with the first samples of the order
+    again: slot ``p`` holds sample ``p mod D``; one process is not sharded (its last batch is short)."""
+    if start is None:
+        return []
+    examples, end = resumed.examples, resumed.epoch_end
     padded_to = resumed.micro_batches_per_epoch * resumed.samples_per_micro_batch
-    epoch, start = slot
-    if padded_to <= examples or resumed.world_size == 1:  # one process is not sharded: its last batch is short
-        return
-    copies = _cyclic(max(start, examples), padded_to, examples)
-    trained_before = [(0, stood[1] if stood[0] == epoch else examples if stood[0] > epoch else 0)]
-    trained_after = _union([(min(start, examples), examples), *copies])
-    both = _length(_intersection(trained_before, trained_after))
-    either = _length(_union(trained_before + trained_after))
-    skipped[epoch + 1], repeated[epoch + 1] = examples - either, both
+    trained = [(min(start, end), end)]
+    if padded_to > examples and resumed.world_size > 1:
+        trained += _cyclic(max(start, examples), padded_to, examples)
+    return trained
+
+
+def _within(counts: Dict[int, int], epochs: Optional[int]) -> Dict[int, int]:
+    """The epochs of ``counts`` with something in them, up to the run's last."""
+    return {epoch: n for epoch, n in counts.items() if n and (epochs is None or epoch <= epochs)}
 
 
 def _cyclic(low: int, high: int, examples: int) -> List[Tuple[int, int]]:
@@ -272,17 +289,6 @@ def _length(intervals: List[Tuple[int, int]]) -> int:
     return sum(high - low for low, high in _union(intervals))
 
 
-def _between(start: Tuple[int, int], end: Tuple[int, int], examples: int) -> Dict[int, int]:
-    """Samples per 1-based epoch from position ``start`` up to ``end`` (exclusive)."""
-    counts = {}
-    for epoch in range(start[0], end[0] + 1):
-        low = start[1] if epoch == start[0] else 0
-        high = end[1] if epoch == end[0] else examples
-        if high > low:
-            counts[epoch + 1] = high - low
-    return counts
-
-
 def _fixes(saved: Layout, resumed: Layout, global_step: int, stood: Tuple[int, int],
            place: Callable[[Layout, int], Tuple[int, int]], epochs: Optional[int]) -> List[Layout]:
     """The layouts on ``resumed``'s ranks, G or the batch changed, that keep the global batch and land exactly where
@@ -293,7 +299,7 @@ def _fixes(saved: Layout, resumed: Layout, global_step: int, stood: Tuple[int, i
     for batch, gas in ((b, keep // (w * b)), (keep // (w * g), g)):
         if batch < 1 or gas < 1 or w * batch * gas != keep:
             continue
-        fixed = Layout(w, batch, gas, saved.examples, resumed.zero_stage)
-        if fixed not in found and _counts(fixed, stood, place(fixed, global_step), epochs) == ({}, {}):
+        fixed = Layout(w, batch, gas, saved.examples, resumed.zero_stage, resumed.drop_last)
+        if fixed not in found and _counts(saved, fixed, stood, place(fixed, global_step), epochs) == ({}, {}):
             found.append(fixed)
     return found

@@ -66,9 +66,6 @@ def start_run(trainer: Any, args: Any, state: Any, engine: Any, train_dataloader
         keep(run)
         if layout_unknown:
             run.note(f"{layout_unknown}: a resume on another layout cannot be told")
-        if folder and layout is None and getattr(args, "dataloader_drop_last", False) is True:
-            run.note("dataloader_drop_last=True: what a resume on another number of ranks, batch or G skips or "
-                     "trains twice is not counted (each layout drops its own tail of every epoch), so it is not said")
         serve_a_generation_buffer(args, run, policy)
 
     run, steering = open_run(RunStart(

@@ -141,15 +141,14 @@ def find_engine(trainer: Any) -> Optional[Any]:
 
 
 def layout_of(args: Any, engine: Any, examples: Optional[int]) -> Optional[Layout]:
-    """How this run splits its data: data-parallel ranks, per-device batch, G, the dataset's length, ZeRO stage.
-    None where it cannot be told, and with ``dataloader_drop_last``, whose dropped tail the resume arithmetic of
-    :mod:`stepsync.core.relayout` does not model (it would count samples wrongly)."""
-    if examples is None or getattr(args, "dataloader_drop_last", False) is True:
+    """How this run splits its data: data-parallel ranks, per-device batch, G, the dataset's length, ZeRO stage,
+    whether the dataloader drops an epoch's tail; None where it cannot be told."""
+    if examples is None:
         return None
     stage = getattr(engine, "zero_optimization_stage", None)
     world = getattr(engine, "dp_world_size", None) or args.world_size
     return Layout(int(world), args.per_device_train_batch_size, args.gradient_accumulation_steps, examples,
-                  stage() if callable(stage) else None)
+                  stage() if callable(stage) else None, getattr(args, "dataloader_drop_last", False) is True)
 
 
 def uses_deepspeed(trainer: Any, args: Any) -> bool:

@@ -196,14 +196,13 @@ def test_the_start_and_the_end_agree_after_a_resume_with_inherited_drift(tmp_pat
     assert any("the drift +1 carried until then is taken back" in note for note in report.notes)
 
 
-def test_a_resume_with_dataloader_drop_last_says_its_data_is_not_counted(tmp_path):
-    """dataloader_drop_last drops each layout's own tail of every epoch, which the resume arithmetic does not model:
-    no count is said rather than a wrong one."""
+def test_the_record_keeps_dataloader_drop_last(tmp_path):
+    """dataloader_drop_last is part of the layout a record keeps (each layout drops its own tail of every epoch):
+    a resume on the same layout is exact, and nothing is said of it."""
     full = run(tmp_path / "full", N, G, EPOCHS, policy="sync", save_strategy="steps", save_steps=3,
                dataloader_drop_last=True)
     resumed = run(tmp_path / "resumed", N, G, EPOCHS, policy="sync", dataloader_drop_last=True,
                   resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
     report = resumed.callback.report
     assert full.error is None and resumed.error is None and report.resume_shift is None
-    assert any(note.startswith("dataloader_drop_last=True: what a resume") for note in report.notes)
-    assert report.resumed_from.world_size is None  # the record keeps no layout to compare with
+    assert report.resumed_from.drop_last is True and report.resumed_from.layout.drop_last

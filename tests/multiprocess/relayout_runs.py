@@ -6,7 +6,8 @@ stepsync), the Trainer's count before it, and stepsync's report.
         POLICY [CHECKPOINT]
 
 STEPSYNC_ZERO_STAGE (default 0) sets the ZeRO stage ("none": without DeepSpeed, DDP on gloo); STEPSYNC_LOAD_UNIVERSAL=1 resumes from DeepSpeed's universal
-copy of the checkpoint ("checkpoint": {"load_universal": true} in the DeepSpeed config).
+copy of the checkpoint ("checkpoint": {"load_universal": true} in the DeepSpeed config); STEPSYNC_DROP_LAST=1 sets
+dataloader_drop_last.
 """
 import json
 import os
@@ -75,7 +76,8 @@ def main(out, name, samples, gas, epochs, policy, checkpoint=None):
     result = run_tiny(os.path.join(out, name), samples, gas, epochs, callback=callback, trainer_class=Recording,
                       extra_callbacks=[Logs()],
                       train_dataset=Indexed(samples), save_strategy="steps", save_steps=1,
-                      resume_from_checkpoint=checkpoint, deepspeed=config)
+                      resume_from_checkpoint=checkpoint, deepspeed=config,
+                      dataloader_drop_last=os.environ.get("STEPSYNC_DROP_LAST") == "1")
     report = callback.report if callback is not None else None
     rank = int(os.environ.get("RANK", 0))
     with open(os.path.join(out, f"{name}-{rank}.json"), "w") as handle:

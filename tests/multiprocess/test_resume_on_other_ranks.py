@@ -17,16 +17,17 @@ pytestmark = [needs_stack, pytest.mark.skipif(STACK not in ("", "drifting"), rea
 SCRIPT = os.path.join(os.path.dirname(__file__), "relayout_runs.py")
 
 
-def launch(out, name, world, samples, gas, epochs, policy="warn", checkpoint=None, stage=0, universal=False):
+def launch(out, name, world, samples, gas, epochs, policy="warn", checkpoint=None, stage=0, universal=False,
+           drop_last=False):
     """One phase on ``world`` ranks (``stage`` "none": without DeepSpeed); each rank's record."""
     out.mkdir(parents=True, exist_ok=True)
     args = [samples, gas, epochs, policy] + ([checkpoint] if checkpoint else [])
     return torchrun_phase(SCRIPT, out, name, world, args, STEPSYNC_ZERO_STAGE=str(stage),
-                          STEPSYNC_LOAD_UNIVERSAL="1" if universal else "0")
+                          STEPSYNC_LOAD_UNIVERSAL="1" if universal else "0", STEPSYNC_DROP_LAST="1" if drop_last else "0")
 
 
-def truth(saved, resumed, checkpoint_step, samples, epochs):
-    return skipped_and_repeated(saved, resumed, checkpoint_step, samples, epochs)
+def truth(saved, resumed, checkpoint_step, samples, epochs, alongside=None):
+    return skipped_and_repeated(saved, resumed, checkpoint_step, samples, epochs, alongside)
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +84,28 @@ def test_a_dataset_the_ranks_do_not_divide_is_counted_by_sample(odd, name, world
     resumed = launch(out, name, world, samples, gas, 3, checkpoint=str(out / base / f"checkpoint-{step}"))
     assert all(rank["error"] is None for rank in resumed)
     assert truth(runs[base], resumed, step, samples, 3) == expected
+    assert all(said(rank) == expected for rank in resumed)
+
+
+@pytest.fixture(scope="module")
+def dropped(tmp_path_factory):
+    """dataloader_drop_last on 13 samples: one rank trains all 13 of an epoch, two ranks 12 (the last round is
+    incomplete, so dropped). Each whole run says which samples its layout trains in every epoch."""
+    out = tmp_path_factory.mktemp("relayout-drop-last")
+    return out, {"one": launch(out, "one", 1, 13, 4, 3, drop_last=True),
+                 "two": launch(out, "two", 2, 13, 3, 3, drop_last=True)}
+
+
+@pytest.mark.parametrize("name, world, gas, base, other, step, expected", [
+    ("one-to-two", 2, 4, "one", "two", 3, ({2: 8}, {})),  # of the 12 samples both layouts train in an epoch
+    ("two-to-one", 1, 3, "two", "one", 3, ({}, {1: 3, 2: 6})),
+])
+def test_a_dataloader_that_drops_its_tail_is_counted_over_what_both_layouts_train(dropped, name, world, gas, base,
+                                                                                 other, step, expected):
+    out, runs = dropped
+    resumed = launch(out, name, world, 13, gas, 3, checkpoint=str(out / base / f"checkpoint-{step}"), drop_last=True)
+    assert all(rank["error"] is None for rank in resumed)
+    assert truth(runs[base], resumed, step, 13, 3, alongside=runs[other]) == expected
     assert all(said(rank) == expected for rank in resumed)
 
 

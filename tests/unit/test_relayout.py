@@ -12,9 +12,12 @@ from stepsync.core.versions import PlannedSteps
 @settings(max_examples=600, deadline=None)
 @given(examples=st.integers(1, 40), saved=st.tuples(st.integers(1, 4), st.integers(1, 3), st.integers(1, 5)),
        resumed=st.tuples(st.integers(1, 4), st.integers(1, 3), st.integers(1, 5)), epochs=st.integers(1, 4),
-       updates=st.integers(0, 30), planned=st.sampled_from([PlannedSteps.CEIL, PlannedSteps.FLOOR]))
-def test_the_shift_equals_a_brute_force_resume(examples, saved, resumed, epochs, updates, planned):
-    before, after = Layout(*saved, examples), Layout(*resumed, examples)
+       updates=st.integers(0, 30), planned=st.sampled_from([PlannedSteps.CEIL, PlannedSteps.FLOOR]),
+       drop_last=st.booleans())
+def test_the_shift_equals_a_brute_force_resume(examples, saved, resumed, epochs, updates, planned, drop_last):
+    before, after = Layout(*saved, examples, drop_last=drop_last), Layout(*resumed, examples, drop_last=drop_last)
+    if not before.micro_batches_per_epoch or not after.micro_batches_per_epoch:
+        return  # drop_last leaves a layout no micro-batch at all
     # A checkpoint after `updates` updates of the saved run: where the Trainer's own arithmetic put it then.
     total = epochs * (-(-before.micro_batches_per_epoch // before.gradient_accumulation_steps)
                       if planned is PlannedSteps.CEIL else
@@ -27,12 +30,12 @@ def test_the_shift_equals_a_brute_force_resume(examples, saved, resumed, epochs,
         return
     shift = resume_shift(before, after, step, stood, planned, epochs)
     assert (shift.skipped, shift.repeated) == simulate(examples, saved, resumed, epochs, epoch, micro, step,
-                                                       planned.value)
+                                                       planned.value, drop_last)
     for fix in shift.fixes:  # every fix named lands exactly
         name, value = fix.split("=")
         fixed = Layout(after.world_size, int(value) if name == "per_device_train_batch_size" else after.per_device_batch,
                        int(value) if name == "gradient_accumulation_steps" else after.gradient_accumulation_steps,
-                       examples)
+                       examples, drop_last=drop_last)
         assert resume_shift(before, fixed, step, stood, planned, epochs).exact
 
 
