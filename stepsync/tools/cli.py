@@ -226,7 +226,21 @@ def run_verify(args) -> int:
         print(f"stepsync: error: stepsync verify runs DeepSpeed: it needs {', '.join(missing)}: {INSTALL_TRAINING}",
               file=sys.stderr)
         return EXIT_BAD_INPUT
-    return verify_command(read_json(args.deepspeed, "--deepspeed"), args.gas, args.json, args.framework)
+    code = verify_command(read_json(args.deepspeed, "--deepspeed"), args.gas, args.json, args.framework)
+    end_after_a_process_group(code)
+    return code
+
+
+def end_after_a_process_group(code: int) -> None:
+    """Exit at once where the command started torch's process group (verify's one process): left to the interpreter's
+    exit, gloo's threads sometimes abort a process whose work is done (``terminate called without an active
+    exception``, exit -6) after the verdict was printed."""
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is None or not distributed.is_available() or not distributed.is_initialized():
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_lightning_demo(args) -> int:
