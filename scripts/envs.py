@@ -4,6 +4,7 @@
     python3 scripts/envs.py stack NAME                         a test stack of tests/harness/matrix.py, in .stacks/NAME
     python3 scripts/envs.py tools PATH REQUIREMENT...          a small environment of tools (no torch), e.g. linters
     python3 scripts/envs.py pins NAME                          the pinned releases of a test stack
+    python3 scripts/envs.py tests NAME                         the tests it runs (tests/harness/matrix.py)
 
 - uv installs everything when it is on PATH (seconds per environment); pip is the fallback.
 - torch is the CPU build 2.13.0: the local wheel that pip's find-links names, else ``pip install torch==2.13.0``
@@ -166,6 +167,11 @@ def main(argv):
         from harness import matrix as support
 
         print(", ".join(r.replace("==", " ") for r in support.spec(argv[1]).requirements() if "==" in r))
+        return 0
+    if len(argv) == 2 and argv[0] == "tests":
+        from harness import matrix as support
+
+        print(" ".join(support.tests_of(argv[1])))
         return 0
     if len(argv) >= 3 and argv[0] == "tools":
         print(tools(argv[1], argv[2:]))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command: lint and type-check the package, build every stack of the matrix (tests/harness/matrix.py; once, in .stacks/, with uv),
+# The test command: lint and type-check the package, run the unit tests without torch, build every stack of the matrix (tests/harness/matrix.py; once, in .stacks/, with uv),
 # run the full suite on the two newest (drifting, aligned) and the focused set on the others, printing each
 # stack's build and test time.
 # Usage: bash scripts/test.sh [pytest args]   STEPSYNC_STACKS="drifting aligned" limits the stacks.
@@ -11,6 +11,9 @@ status=0
 start=$(date +%s)
 bash scripts/lint.sh || status=1
 echo "=== lint and type check (ruff, mypy): $(( $(date +%s) - start )) s"
+start=$(date +%s)
+bash scripts/fast.sh || status=1
+echo "=== the fast loop, without torch (scripts/fast.sh): $(( $(date +%s) - start )) s"
 # The drifting stack's numerical test compares with the aligned stack: build that first.
 start=$(date +%s)
 # A stack list or a reference stack that cannot be had fails the run: never a green run that tested nothing.
@@ -28,29 +31,7 @@ for stack in $stacks; do
     continue
   fi
   built=$(date +%s)
-  case "$stack" in
-    drifting|aligned) tests=(tests) ;;
-    lightning) tests=(tests/unit/test_lightning_versions.py tests/integration/test_lightning.py
-                      tests/integration/test_fabric.py tests/multiprocess/test_lightning_two_processes.py
-                      tests/multiprocess/test_lightning_resume.py) ;;
-    l[0-9]*) tests=(tests/integration/test_lightning.py tests/integration/test_fabric.py) ;;
-    # The last release before bf16's overflow check (the updates it applies although not finite), and one that
-    # drops micro-batches under ZeRO-2 with offload (stepsync verify and the start's warning).
-    t457) tests=(tests/unit/test_forecast.py tests/unit/test_versions.py tests/unit/test_run.py
-                 tests/integration/test_support.py tests/integration/test_user_runs.py
-                 tests/multiprocess/test_loops_two_processes.py tests/integration/test_skipped_updates.py
-                 tests/integration/test_non_finite_updates.py tests/multiprocess/test_non_finite_on_two_ranks.py
-                 tests/integration/test_verify.py tests/integration/test_weight_faults.py
-                 tests/integration/test_output_hooks.py) ;;
-    # DeepSpeed 0.18.3 divides the Trainer's loss again: the fault, its forecast and its repair by sync.
-    d183) tests=(tests/integration/test_support.py tests/integration/test_output_hooks.py
-                 tests/integration/test_verify.py) ;;
-    # accelerate 1.8 enters DeepSpeed 0.18.2's no_sync(): micro-batches left undivided on several ranks.
-    a18) tests=(tests/integration/test_support.py tests/multiprocess/test_no_sync_on_two_ranks.py) ;;
-    *) tests=(tests/unit/test_forecast.py tests/unit/test_versions.py tests/unit/test_run.py
-              tests/integration/test_support.py tests/integration/test_user_runs.py
-              tests/multiprocess/test_loops_two_processes.py tests/integration/test_without_deepspeed.py) ;;
-  esac
+  read -r -a tests <<< "$(python3 scripts/envs.py tests "$stack")"  # tests/harness/matrix.py: TESTS
   # Each DeepSpeed release compiles its CPU op once, into ~/.cache/stepsync/deepspeed-VERSION
   # (stepsync.tools.tiny_run.cpu_distributed_env): stacks with the same release share it, others never do.
   export STEPSYNC_STACK="$stack" DS_ACCELERATOR=cpu OMP_NUM_THREADS=1

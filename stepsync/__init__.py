@@ -5,7 +5,6 @@ is loaded on first use. ``StepSyncCallback`` needs transformers (the training en
 forecast, the report and the command line's ``check`` and ``inspect`` do not.
 """
 from ._version import __version__ as __version__
-from .core.install import install_hint as _install_hint
 
 # public name -> the module that defines it (loaded on first use)
 _PUBLIC = {
@@ -39,6 +38,7 @@ def __getattr__(name):
     try:
         value = getattr(import_module(f".{module}", __name__), name)
     except ImportError as exc:
+        _install_hint = import_module(".core.install", __name__).install_hint  # loaded as the public names are
         if name == "StepSyncCallback":  # the light install (stepsync check / inspect only)
             raise ImportError(f"StepSyncCallback needs transformers ({exc}): it runs inside your Trainer's "
                               f"environment; {_install_hint('trainer')} installs the training packages") from exc

@@ -12,7 +12,6 @@ import os
 import re
 from typing import Any, Optional, Tuple
 
-from ..core.choices import Policy
 from ..core.errors import UnsafeCheckpointError
 from ..core.plan import RunPlan
 from ..core.record import RECORD_FILE, ResumeRecord, load_record, write_json
@@ -57,25 +56,26 @@ class LoopCheckpoints:
         if not said:
             return
         text = f"checkpoint {name}: " + "; ".join(said)
-        if run.report.policy is Policy.RAISE:
-            raise UnsafeCheckpointError(f"{text}; policy 'raise' stops at this save")
+        if run.policy.stops:
+            raise UnsafeCheckpointError(f"{text}; policy '{run.policy.value}' stops at this save")
         if self.said_saves:
-            run.note(text)
+            run.voice.note(text)
         else:
             self.said_saves = True
-            run.warn(text + " (later saves like it are listed in the report)")
+            run.voice.warn(text + " (later saves like it are listed in the report)")
 
     def after_load(self, run: Run, folder: Optional[str], started: bool) -> None:
         """``load_state(folder)`` ran: its record is read for the first micro-batch."""
         if started:
-            run.warn(f"load_state({folder!r}) after training began: the report's counts are not taken again from it")
+            run.voice.warn(f"load_state({folder!r}) after training began: the report's counts are not taken again from "
+                           "it")
             return
         record = None
         if folder is not None:
             try:
                 record = load_record(folder)
             except ValueError as exc:
-                run.error(f"{folder}: stepsync's record is unreadable ({exc}); the report covers this run only")
+                run.voice.error(f"{folder}: stepsync's record is unreadable ({exc}); the report covers this run only")
         self.loaded = (folder or "the newest checkpoint", record)
 
     def start_training(self, run: Run, opened: RunStart, num_epochs: Optional[float]) -> int:
@@ -104,9 +104,9 @@ class LoopCheckpoints:
         start_training(run, dataclasses.replace(opened, trainer_steps=loop_steps, plan=plan, start_epoch=epoch,
                                                 skip=skip, record=record), resumed=True)
         if record is None:
-            run.note(f"resumed from {folder}, saved without stepsync: your loop's count before it is not kept there, "
-                     f"so it is taken as the engine's ({engine_steps}); a drift the checkpoint carries cannot be seen, "
-                     "and epochs are numbered from the resume")
+            run.voice.note(f"resumed from {folder}, saved without stepsync: your loop's count before it is not kept "
+                           f"there, so it is taken as the engine's ({engine_steps}); a drift the checkpoint carries "
+                           "cannot be seen, and epochs are numbered from the resume")
         return loop_steps
 
     def _skipped_by_the_loop(self) -> Optional[int]:
@@ -130,15 +130,15 @@ class LoopCheckpoints:
         if skipped > saved_at:
             what = f"skips {skipped - saved_at} micro-batch(es) {where} that were never trained"
         elif saved_at - skipped <= lost:
-            run.note(f"{name} was saved after micro-batch {saved_at} {where} with {lost} in DeepSpeed's open window; "
-                     f"your loop resumes after micro-batch {skipped}, so it trains again {saved_at - skipped} whose "
-                     "gradients the save lost: each is applied once")
+            run.voice.note(f"{name} was saved after micro-batch {saved_at} {where} with {lost} in DeepSpeed's open "
+                           f"window; your loop resumes after micro-batch {skipped}, so it trains again "
+                           f"{saved_at - skipped} whose gradients the save lost: each is applied once")
             return
         else:
             what = f"applies {saved_at - skipped - lost} micro-batch(es) {where} a second time"
         text = (f"{name} was saved after micro-batch {saved_at} {where}, but your loop resumes after micro-batch "
                 f"{skipped} of it (skip_first_batches): it {what}; place the resume with the position stepsync saved "
                 f"({RECORD_FILE}: next_epoch, next_skip), not with the folder's name")
-        if run.report.policy is Policy.RAISE:
-            raise UnsafeCheckpointError(f"{text}; policy 'raise' stops before the first micro-batch")
-        run.warn(text)
+        if run.policy.stops:
+            raise UnsafeCheckpointError(f"{text}; policy '{run.policy.value}' stops before the first micro-batch")
+        run.voice.warn(text)

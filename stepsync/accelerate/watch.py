@@ -14,7 +14,6 @@ Nothing else is touched; under ``warn`` the run is exactly what it would be with
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
@@ -25,7 +24,7 @@ from ..core.errors import StepSyncConfigError, UnsupportedVersion
 from ..core.events import Cause
 from ..core.frameworks import ACCELERATE_LOOP
 from ..core.plan import RunPlan
-from ..core.versions import EngineBoundary, PlannedSteps, Stack, TrainerRule, behaviour_of
+from ..core.versions import EngineBoundary, Stack, behaviour_of
 from ..display.output import ConsoleOutput
 from ..engine.deepspeed import engine_facts, is_engine
 from ..engine.faults import guarded
@@ -107,10 +106,7 @@ class LoopWatch(LoopAdapter):
             return
         g = int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1)
         n = length_of(dataloader)
-        # accelerate's accumulate() is the epoch-end rule: a window every G micro-batches, restarted at the
-        # dataloader's end; the no_trainer examples plan epochs * ceil(N / G) updates.
-        behaviour = dataclasses.replace(installed, trainer_rule=TrainerRule.EPOCH_END, planned_steps=PlannedSteps.CEIL,
-                                        framework=ACCELERATE_LOOP)
+        behaviour = ACCELERATE_LOOP.applied_to(installed)
         plan = None if n is None or num_epochs is None else RunPlan(n, g, num_epochs, -1, 0, engine.global_steps)
         in_force = engine_facts(engine).gradient_accumulation_steps or g  # accelerate < 1.8 may keep the code's G
         self._opened = RunStart(ACCELERATE_LOOP, self.policy, engine, behaviour, n, g, self.output,
@@ -119,7 +115,7 @@ class LoopWatch(LoopAdapter):
         # The forecast waits for the first micro-batch: a load_state before it changes where the loop starts.
         open_run(self._opened, self._keep, training_starts=False)
         if n is None and self._run is not None:
-            self._run.note("no dataloader length: pass dataloader=... to stepsync.watch() for a forecast")
+            self._run.voice.note("no dataloader length: pass dataloader=... to stepsync.watch() for a forecast")
         self._wrap()
 
     def _keep(self, run: Run) -> None:
@@ -189,7 +185,7 @@ class LoopWatch(LoopAdapter):
         if not self._inside_accumulate and run.g > 1 and not self._said_outside:
             self._said_outside = True
             effect = OUTSIDE_EFFECT[run.behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER]
-            run.warn(OUTSIDE_ACCUMULATE.format(g=run.g, effect=effect))
+            run.voice.warn(OUTSIDE_ACCUMULATE.format(g=run.g, effect=effect))
             run.known_cause = Cause.OUTSIDE_ACCUMULATE
             run.remedy = "put the forward, backward and optimizer step inside `with accelerator.accumulate(model):`"
         run.before_micro_batch(self._counts_update)  # under sync the engine follows sync_gradients (accelerate 1.8)
@@ -203,7 +199,7 @@ class LoopWatch(LoopAdapter):
             self._since_loop_update += 1
         run.after_micro_batch(self._counts_update, self.loop_steps)
         if self._counts_update and run.observing and getattr(self.accelerator, "trackers", None):
-            self._observe("accelerator.log", self._log_metrics, run.engine_steps_seen, run.update_metrics())
+            self._observe("accelerator.log", self._log_metrics, run.engine_steps_seen, run.updates.metrics())
         if getattr(self.accelerator.gradient_state, "end_of_dataloader", False):
             run.end_epoch(self.loop_steps)
             self._epoch_open = False

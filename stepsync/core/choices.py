@@ -1,10 +1,19 @@
-"""The policies a user can choose; the code and the error messages share this one list."""
+"""The policies a user can choose, and every answer that differs between them: the engine, the adapters and the
+command line ask the policy, never compare it with a member (``tests/unit/test_layout.py``)."""
 from __future__ import annotations
 
 from enum import Enum
 from typing import Union
 
 from .errors import StepSyncConfigError
+
+
+class FaultAnswer(str, Enum):
+    """What a policy does about a fault of a micro-batch's weight that DeepSpeed makes."""
+
+    REPAIR = "repair"  # undo it from outside DeepSpeed (sync, where the fault is an extra division by G)
+    REFUSE = "refuse"  # stop before any gradient is made
+    WARN = "warn"
 
 
 class Policy(str, Enum):
@@ -35,10 +44,49 @@ class Policy(str, Enum):
                 return cls(value.strip().lower().replace("-", "_"))
             except ValueError:
                 pass
-        choices = ", ".join(repr(p.value) for p in cls)
-        raise StepSyncConfigError(f"Unsupported policy {value!r}. Possible choices are: {choices}")
+        raise StepSyncConfigError(unsupported("policy", value, [p.value for p in cls]))
 
     @property
     def interferes(self) -> bool:
         """Whether the policy changes the run (as opposed to only watching it)."""
         return self in (Policy.SYNC, Policy.REALIGN, Policy.DROP_LAST)
+
+    @property
+    def stops(self) -> bool:
+        """Whether what stepsync finds wrong stops the run (an objection at the start, a drift, a skipped or
+        non-finite update, a checkpoint that cannot be resumed exactly, a fault inside stepsync itself), rather
+        than being said and left to the user."""
+        return self is Policy.RAISE
+
+    @property
+    def steers_the_boundary(self) -> bool:
+        """Whether it sets the engine's boundary where the framework counts its updates."""
+        return self is Policy.SYNC
+
+    @property
+    def ends_epochs_early(self) -> bool:
+        """Whether it ends every epoch after its last whole window of G micro-batches."""
+        return self is Policy.DROP_LAST
+
+    @property
+    def precedence(self) -> int:
+        """Which of two callbacks on one Trainer acts: a remedy over 'raise' over 'warn', then the first."""
+        return 2 if self.interferes else int(self.stops)
+
+    @property
+    def role(self) -> str:
+        """What it does to a run, in a few words (the demo's titles)."""
+        if self.interferes:
+            return "the remedy"
+        return "stops at the first fault" if self.stops else "only watches: the run as it is"
+
+    def answer_to_weight_fault(self, repairable: bool) -> FaultAnswer:
+        """``sync`` repairs what it can undo from outside DeepSpeed and refuses the rest, like ``raise``."""
+        if self.steers_the_boundary and repairable:
+            return FaultAnswer.REPAIR
+        return FaultAnswer.REFUSE if self.stops or self.steers_the_boundary else FaultAnswer.WARN
+
+
+def unsupported(what: str, value: object, choices) -> str:
+    """An invalid choice, worded one way everywhere (Lightning's words)."""
+    return f"Unsupported {what} {value!r}. Possible choices are: {', '.join(repr(c) for c in choices)}"

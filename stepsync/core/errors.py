@@ -57,5 +57,13 @@ class ConfigInputError(StepSyncError, ValueError):
     """An input ``stepsync check`` cannot use; the message says what to change."""
 
 
+class UnreadableFileError(StepSyncError, ValueError):
+    """A file stepsync was pointed at (a JSON config, a record) that it cannot read; the message names the fix."""
+
+
+class VerifyInputError(StepSyncError, ValueError):
+    """A config ``stepsync verify`` cannot run; the message says why."""
+
+
 class AuditInputError(StepSyncError, ValueError):
     """The path ``stepsync inspect`` was given is not a Trainer output directory; the message names the fix."""

@@ -1,13 +1,63 @@
 """Each training framework stepsync watches, described once: the display, the messages, the metrics, the policy
-checks and the command line read these descriptions, never prose. A new framework is one folder of adapters
-and one description here."""
+checks, the forecast and the command line read these descriptions, never prose. A new framework is one folder of
+adapters and one description here."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple, Union
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import Any, Dict, FrozenSet, Optional, Tuple, Union
 
-from .choices import Policy
+from .choices import Policy, unsupported
 from .errors import StepSyncConfigError
+
+
+class TrainerRule(str, Enum):
+    """When the Trainer counts an update at micro-batch ``s`` (0-based in the epoch) of ``N``."""
+
+    EPOCH_WINDOW = "epoch_window"  # (s+1) % G == 0 or (N <= G and s+1 == N)
+    GLOBAL_COUNTER = "global_counter"  # t % G == 0 or (N <= G and s+1 == N), t counted across epochs
+    EPOCH_END = "epoch_end"  # (s+1) % G == 0 or s+1 == N
+    WHOLE_WINDOWS = "whole_windows"  # (s+1) % G == 0 only: an epoch's partial last window is never an update
+
+    def __str__(self) -> str:  # its value in messages and tables, as the release rows print it
+        return self.value
+
+
+class EngineBoundary(str, Enum):
+    """Who decides when the DeepSpeed engine updates."""
+
+    MICRO_COUNTER = "micro_counter"  # engine.step() on every micro-batch: (micro_steps+1) % G == 0
+    FOLLOWS_TRAINER = "follows_trainer"  # set_gradient_accumulation_boundary(sync_gradients) each micro-batch
+    NEVER_STEPPED = "never_stepped"  # the loop steps the optimizer itself: the engine's count never moves
+
+    def __str__(self) -> str:  # its value in messages and tables, as the release rows print it
+        return self.value
+
+
+class PlannedSteps(str, Enum):
+    """How the Trainer plans ``max_steps`` from ``num_train_epochs``."""
+
+    FLOOR = "floor"  # E * max(N // G, 1)
+    CEIL = "ceil"  # E * ceil(N / G)
+    WHOLE = "whole"  # E * (N // G), and the loop runs every epoch whatever it counts
+
+    def __str__(self) -> str:  # its value in messages and tables, as the release rows print it
+        return self.value
+
+
+class BackwardCall(str, Enum):
+    """How a framework calls the engine's backward (what each micro-batch's weight depends on, as probed)."""
+
+    ENGINE = "engine"  # engine.backward(loss): a plain DeepSpeed loop, Fabric; the engine divides by G
+    ACCELERATE = "accelerate"  # the same, inside accelerate's accumulate()
+    TRAINER = "trainer"  # engine.backward(loss / G, scale_wrt_gas=False): transformers' Trainer
+    LIGHTNING = "lightning"  # engine.backward(loss / G): Lightning's closure divides, and the engine again
+
+    @property
+    def as_probed(self) -> BackwardCall:
+        """The call the weight probes measured that weighs micro-batches as this one does: Lightning's extra
+        division scales every micro-batch alike (its loss_divisions), so its faults are the engine call's."""
+        return BackwardCall.ENGINE if self is BackwardCall.LIGHTNING else self
 
 
 @dataclass(frozen=True)
@@ -48,20 +98,48 @@ class Framework:
         schedules_on_its_count: it steps the LR scheduler itself on its own count (Lightning takes DeepSpeed's
             scheduler over), so the LR moves at an update the engine skipped; elsewhere DeepSpeed steps it at the
             updates it applies.
-        backward_call: how it calls the engine's backward (:data:`stepsync.core.weights.CALLS`): "trainer" for the
-            Trainer's ``engine.backward(loss / G, scale_wrt_gas=False)``, "accelerate" for ``engine.backward(loss)``
-            inside accelerate's ``accumulate()``, "engine" for ``engine.backward(loss)``.
+        backward_call: how it calls the engine's backward (:class:`BackwardCall`).
+        key: its name on the command line (``--framework``).
+        releases: whose release table says how it counts: "transformers" (the Trainer's rows, with accelerate's
+            and DeepSpeed's) or "lightning".
+        counts_by, plans_by, engine_stepped: where the framework's own loop fixes how it counts its updates, how
+            it plans them and whether the engine steps, whatever the releases (a user's loop); None where the
+            release table decides. ``engine_reason``: why the engine updates where it does, then.
+        ends_epochs_under: the policies under which an epoch trains its whole windows only (the framework ends it
+            there, or stepsync does), leaving its last partial window untrained.
+        g_setting: the name of its gradient accumulation setting, in messages.
     """
 
     name: str
     who: str
     counter: str
     whose_g: str
+    key: str
     metric_keys: Tuple[str, ...] = ()
     refused: Dict[Policy, Refusal] = field(default_factory=dict, compare=False)
     remedy: Optional[str] = None
     schedules_on_its_count: bool = False
-    backward_call: str = "engine"
+    backward_call: BackwardCall = BackwardCall.ENGINE
+    releases: str = "transformers"
+    counts_by: Optional[TrainerRule] = None
+    plans_by: Optional[PlannedSteps] = None
+    engine_stepped: Optional[EngineBoundary] = None
+    engine_reason: str = ""
+    ends_epochs_under: FrozenSet[Policy] = frozenset()
+    g_setting: str = "gradient_accumulation_steps"
+
+    def applied_to(self, behaviour: Any) -> Any:
+        """What the installed releases do (a :class:`stepsync.core.versions.StackBehaviour`), run by this
+        framework: its own counting, planning and engine stepping where its loop fixes them."""
+        changes: Dict[str, Any] = {"framework": self}
+        if self.counts_by is not None:
+            changes["trainer_rule"] = self.counts_by
+        if self.plans_by is not None:
+            changes["planned_steps"] = self.plans_by
+        # accelerate >= 1.8 sets the boundary from the loop's own windows: a loop's fixed stepping yields to it
+        if self.engine_stepped is not None and behaviour.engine_boundary is not EngineBoundary.FOLLOWS_TRAINER:
+            changes["engine_boundary"], changes["engine_reason"] = self.engine_stepped, self.engine_reason
+        return replace(behaviour, **changes)
 
     def parse_policy(self, policy: Union[str, Policy], as_flag: bool = False) -> Policy:
         """``policy`` as a :class:`Policy`; an unknown one, or one this framework refuses, raises
@@ -73,32 +151,51 @@ class Framework:
 
 
 TRAINER = Framework(
-    name="the Trainer", who="Trainer", counter="Trainer global_step", whose_g="the Trainer's",
-    metric_keys=("stepsync/trainer_steps", "stepsync/engine_steps", "stepsync/drift"), backward_call="trainer")
+    name="the Trainer", who="Trainer", counter="Trainer global_step", whose_g="the Trainer's", key="trainer",
+    metric_keys=("stepsync/trainer_steps", "stepsync/engine_steps", "stepsync/drift"),
+    backward_call=BackwardCall.TRAINER, ends_epochs_under=frozenset({Policy.DROP_LAST}))
 
 LIGHTNING = Framework(
     name="Lightning", who="Lightning", counter="Lightning global_step",
-    whose_g="Lightning's accumulate_grad_batches",
+    whose_g="Lightning's accumulate_grad_batches", key="lightning", backward_call=BackwardCall.LIGHTNING,
+    releases="lightning", ends_epochs_under=frozenset({Policy.SYNC, Policy.DROP_LAST}),
+    g_setting="accumulate_grad_batches",
     metric_keys=("stepsync/lightning_steps", "stepsync/engine_steps", "stepsync/drift"),
     refused={Policy.REALIGN: Refusal("cannot apply to Lightning: its global_step is derived from its loop's progress "
                                      "counters, which a callback cannot set", (Policy.SYNC, Policy.DROP_LAST))},
     remedy="use stepsync.lightning.StepSyncCallback(policy='sync')", schedules_on_its_count=True)
 
+# accelerate's accumulate() is the epoch-end rule: a window every G micro-batches, restarted at the dataloader's
+# end; the run_*_no_trainer.py examples plan epochs * ceil(N / G) updates.
 ACCELERATE_LOOP = Framework(
-    name="your loop", who="your loop", counter="loop updates", whose_g="the accelerator's",
-    metric_keys=("stepsync/loop_steps", "stepsync/engine_steps", "stepsync/drift"), backward_call="accelerate",
+    name="your loop", who="your loop", counter="loop updates", whose_g="the accelerator's", key="accelerate",
+    metric_keys=("stepsync/loop_steps", "stepsync/engine_steps", "stepsync/drift"),
+    backward_call=BackwardCall.ACCELERATE, counts_by=TrainerRule.EPOCH_END, plans_by=PlannedSteps.CEIL,
     refused={Policy.REALIGN: Refusal("cannot change your loop's own counter", (Policy.SYNC,),
                                      "keep policy 'warn' and adopt watch.report.engine_steps"),
              Policy.DROP_LAST: Refusal("cannot end your dataloader's epochs early", (Policy.SYNC,),
                                        "drop the partial window in your loop")})
 
+# Fabric's documented loop steps at every G-th micro-batch of an epoch (its leftovers join the next epoch's first
+# window) and runs every epoch; its optimizer.step() updates the weights without engine.step().
 FABRIC_LOOP = Framework(
     name="your Fabric loop", who="your loop", counter="your loop's optimizer.step() count",
-    whose_g="the DeepSpeed config's",
+    whose_g="the DeepSpeed config's", key="fabric", releases="lightning", counts_by=TrainerRule.WHOLE_WINDOWS,
+    plans_by=PlannedSteps.WHOLE, engine_stepped=EngineBoundary.NEVER_STEPPED,
+    engine_reason="your Fabric loop steps the optimizer itself and never calls engine.step(): the engine's count "
+                  "stays where it was",
     refused={Policy.REALIGN: Refusal("cannot change your loop's own count", (Policy.SYNC, Policy.WARN)),
              Policy.DROP_LAST: Refusal("cannot end your dataloader's epochs early", (Policy.SYNC, Policy.WARN))},
     remedy="use stepsync.lightning.watch(fabric, ..., policy='sync')")
 
 FRAMEWORKS = (TRAINER, LIGHTNING, ACCELERATE_LOOP, FABRIC_LOOP)
+
+
+def framework_called(key: str) -> Framework:
+    """The framework whose command-line name is ``key``."""
+    for framework in FRAMEWORKS:
+        if framework.key == key:
+            return framework
+    raise StepSyncConfigError(unsupported("--framework", key, [f.key for f in FRAMEWORKS]))
 SKIPPED_METRIC = "stepsync/updates_skipped"  # beside each framework's metrics, once the engine has skipped one
 NON_FINITE_METRIC = "stepsync/non_finite_at_update"  # the update after which the weights were not finite

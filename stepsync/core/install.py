@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-from importlib import metadata
 from typing import Optional
 
 
@@ -14,6 +13,8 @@ def source() -> Optional[str]:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # stepsync/core/ -> root
     if os.path.isfile(os.path.join(root, "setup.cfg")):
         return root
+    from importlib import metadata  # 15-20 ms: paid only where a hint is printed, never by `import stepsync`
+
     try:
         url = json.loads(metadata.distribution("stepsync").read_text("direct_url.json") or "{}").get("url", "")
     except (metadata.PackageNotFoundError, ValueError, AttributeError):

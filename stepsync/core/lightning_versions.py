@@ -28,11 +28,11 @@ OLDEST_LIGHTNING = "2.0.0"
 MEASURED_LIGHTNING = ("2.0.9", "2.2.5", "2.4.0", "2.6.6")
 
 LIGHTNING_ROWS = (
-    ReleaseRow("lightning", "2.0.0", None, TrainerRule.WHOLE_WINDOWS.value,
+    ReleaseRow("lightning", "2.0.0", None, TrainerRule.WHOLE_WINDOWS,
                "with DeepSpeed the strategy handles accumulation (handles_gradient_accumulation), so Lightning never "
                "steps on an epoch's partial last window, and its window counter (batch_progress.current) restarts "
                "every epoch"),
-    ReleaseRow("lightning", "2.0.0", None, EngineBoundary.MICRO_COUNTER.value,
+    ReleaseRow("lightning", "2.0.0", None, EngineBoundary.MICRO_COUNTER,
                "its DeepSpeed precision plugin calls engine.step() on every micro-batch"),
     ReleaseRow("lightning", "2.0.0", None, "loss_divided_twice",
                "its closure divides the loss by accumulate_grad_batches, then DeepSpeedEngine.backward divides it "
@@ -96,6 +96,11 @@ class LightningStack:
         return f"lightning {self.lightning}, deepspeed {self.deepspeed}"
 
 
+def _row_of(rows: tuple, kind: type) -> ReleaseRow:
+    """The row whose behaviour is a member of ``kind`` (read by what it says, never by its place)."""
+    return next(row for row in rows if isinstance(row.behaviour, kind))
+
+
 def lightning_behaviour_of(stack: LightningStack) -> StackBehaviour:
     """Resolve ``stack`` against the Lightning rows; raises :class:`UnsupportedVersion` below 2.0."""
     version = parse_version(stack.lightning)
@@ -106,13 +111,15 @@ def lightning_behaviour_of(stack: LightningStack) -> StackBehaviour:
     if stack.lightning != NEWEST and stack.lightning not in MEASURED_LIGHTNING:
         caveats = (f"lightning {stack.lightning} was not probed: its counting is inferred from the probed releases "
                    f"({', '.join(MEASURED_LIGHTNING)}), which all do the same",)
+    counting, stepping = _row_of(LIGHTNING_ROWS, TrainerRule), _row_of(LIGHTNING_ROWS, EngineBoundary)
+    boundary_setter = next(row for row in DEEPSPEED_FEATURES if row.behaviour == "set_gradient_accumulation_boundary")
     return StackBehaviour(
         stack=stack,
-        trainer_rule=TrainerRule.WHOLE_WINDOWS,
-        engine_boundary=EngineBoundary.MICRO_COUNTER,
+        trainer_rule=TrainerRule(counting.behaviour),
+        engine_boundary=EngineBoundary(stepping.behaviour),
         planned_steps=PlannedSteps.WHOLE,
-        engine_reason=f"lightning {stack.lightning}: {LIGHTNING_ROWS[1].upstream}",
-        can_override_boundary=any(row.covers(stack.deepspeed) for row in DEEPSPEED_FEATURES[:1]),
+        engine_reason=f"lightning {stack.lightning}: {stepping.upstream}",
+        can_override_boundary=boundary_setter.covers(stack.deepspeed),
         measured=stack.lightning in MEASURED_LIGHTNING,
         remainder_cut=False,
         caveats=caveats,

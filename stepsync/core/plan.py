@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from . import rules
+from .errors import StepSyncConfigError
 from .versions import StackBehaviour
 
 
@@ -44,22 +45,23 @@ class RunPlan:
 
     def __post_init__(self) -> None:
         if not isinstance(self.micro_batches_per_epoch, int) or self.micro_batches_per_epoch < 1:
-            raise ValueError(
+            raise StepSyncConfigError(
                 f"micro_batches_per_epoch must be a positive integer, got {self.micro_batches_per_epoch!r}: "
                 "pass len(train_dataloader) on one rank"
             )
         if not isinstance(self.gradient_accumulation_steps, int) or self.gradient_accumulation_steps < 1:
-            raise ValueError(
+            raise StepSyncConfigError(
                 f"gradient_accumulation_steps must be an integer >= 1, got {self.gradient_accumulation_steps!r}"
             )
         if self.max_steps <= 0 and not (self.num_train_epochs > 0):
-            raise ValueError(f"num_train_epochs must be > 0 when max_steps is not set, got {self.num_train_epochs!r}")
+            raise StepSyncConfigError("num_train_epochs must be > 0 when max_steps is not set, got "
+                                      f"{self.num_train_epochs!r}")
         if self.trainer_steps_at_start < 0 or self.engine_steps_at_start < 0:
-            raise ValueError("the step counts at start must be >= 0")
+            raise StepSyncConfigError("the step counts at start must be >= 0")
         if self.examples_per_epoch is not None and (
                 not isinstance(self.examples_per_epoch, int) or self.examples_per_epoch < 1):
-            raise ValueError(f"examples_per_epoch must be a positive integer, got {self.examples_per_epoch!r}: "
-                             "pass len(train_dataset)")
+            raise StepSyncConfigError("examples_per_epoch must be a positive integer, got "
+                                      f"{self.examples_per_epoch!r}: pass len(train_dataset)")
 
 
 def updates_per_epoch(behaviour: StackBehaviour, n: int, g: int) -> int:

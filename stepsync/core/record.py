@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from . import rules
+from .errors import UnreadableFileError
 from .events import DriftEvent
 from .relayout import Layout, ResumeShift, position, resume_shift
 from .versions import PlannedSteps
@@ -101,7 +102,7 @@ class ResumeRecord:
     def from_dict(cls, data: dict) -> ResumeRecord:
         """Raises ValueError naming what is wrong when ``data`` is not a record this version wrote."""
         if not isinstance(data, dict) or data.get("format") != cls.FORMAT:
-            raise ValueError(f"not a stepsync record of format {cls.FORMAT}")
+            raise UnreadableFileError(f"not a stepsync record of format {cls.FORMAT}")
         try:
             return cls(
                 policy=str(data["policy"]),
@@ -119,7 +120,7 @@ class ResumeRecord:
                 drop_last=None if data.get("drop_last") is None else bool(data["drop_last"]),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ValueError(f"a stepsync record with a missing or malformed field: {exc!r}") from None
+            raise UnreadableFileError(f"a stepsync record with a missing or malformed field: {exc!r}") from None
 
 
 def record_in_trainer_state(stateful_callbacks: Optional[dict], name: str = CALLBACK_NAME) -> Optional[dict]:
@@ -167,16 +168,17 @@ def step_of(folder: Optional[str]) -> Optional[int]:
 def read_json(path: str, what: str = "file") -> dict:
     """The JSON object in ``path``; ValueError with the fix when it is missing, unreadable or not an object."""
     if not os.path.exists(path):
-        raise ValueError(f"{what} {path!r} does not exist: pass the path of a JSON file")
+        raise UnreadableFileError(f"{what} {path!r} does not exist: pass the path of a JSON file")
     try:
         with open(path) as handle:
             data = json.load(handle)
     except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read {what} {path!r}: {exc}") from None
+        raise UnreadableFileError(f"cannot read {what} {path!r}: {exc}") from None
     except ValueError as exc:
-        raise ValueError(f"{what} {path!r} is not valid JSON ({exc}): fix it, or restore it from a copy") from None
+        raise UnreadableFileError(f"{what} {path!r} is not valid JSON ({exc}): fix it, or restore it from a "
+                                  "copy") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{what} {path!r} must hold a JSON object, not {type(data).__name__}")
+        raise UnreadableFileError(f"{what} {path!r} must hold a JSON object, not {type(data).__name__}")
     return data
 
 

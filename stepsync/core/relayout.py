@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 from . import rules
+from .errors import StepSyncConfigError
 from .versions import PlannedSteps
 
 
@@ -41,7 +42,7 @@ class Layout:
         for name in ("world_size", "per_device_batch", "gradient_accumulation_steps", "examples"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise StepSyncConfigError(f"{name} must be a positive integer, got {value!r}")
 
     @property
     def micro_batches_per_epoch(self) -> int:

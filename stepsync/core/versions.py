@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from enum import Enum
 from importlib import metadata
 from typing import Any, Optional, Tuple
 
 from packaging.version import InvalidVersion, Version
 
-from .errors import UnsupportedVersion
-from .frameworks import TRAINER, Framework
+from .errors import StepSyncConfigError, UnsupportedVersion
+from .frameworks import TRAINER, EngineBoundary, Framework, PlannedSteps, TrainerRule
 
 NEWEST = "newest"
 OLDEST_SUPPORTED = "4.24.0"
@@ -36,31 +35,7 @@ def parse_version(text: str) -> Version:
     try:
         return Version(str(text).strip())
     except InvalidVersion:
-        raise ValueError(f"cannot read the version {text!r}: expected numbers such as '4.47.1'") from None
-
-
-class TrainerRule(str, Enum):
-    """When the Trainer counts an update at micro-batch ``s`` (0-based in the epoch) of ``N``."""
-
-    EPOCH_WINDOW = "epoch_window"  # (s+1) % G == 0 or (N <= G and s+1 == N)
-    GLOBAL_COUNTER = "global_counter"  # t % G == 0 or (N <= G and s+1 == N), t counted across epochs
-    EPOCH_END = "epoch_end"  # (s+1) % G == 0 or s+1 == N
-    WHOLE_WINDOWS = "whole_windows"  # (s+1) % G == 0 only: an epoch's partial last window is never an update
-
-
-class EngineBoundary(str, Enum):
-    """Who decides when the DeepSpeed engine updates."""
-
-    MICRO_COUNTER = "micro_counter"  # engine.step() on every micro-batch: (micro_steps+1) % G == 0
-    FOLLOWS_TRAINER = "follows_trainer"  # set_gradient_accumulation_boundary(sync_gradients) each micro-batch
-
-
-class PlannedSteps(str, Enum):
-    """How the Trainer plans ``max_steps`` from ``num_train_epochs``."""
-
-    FLOOR = "floor"  # E * max(N // G, 1)
-    CEIL = "ceil"  # E * ceil(N / G)
-    WHOLE = "whole"  # E * (N // G), and the loop runs every epoch whatever it counts
+        raise StepSyncConfigError(f"cannot read the version {text!r}: expected numbers such as '4.47.1'") from None
 
 
 @dataclass(frozen=True)
@@ -83,17 +58,17 @@ class ReleaseRow:
 # The Trainer's rows: measured by probes/trainer_probe.py on every minor release (latest patch) and on every
 # patch of a minor where a behaviour changed. `since` is the first release measured with the behaviour.
 TRAINER_RULES = (
-    ReleaseRow("transformers", None, "4.27.0", TrainerRule.EPOCH_WINDOW.value,
+    ReleaseRow("transformers", None, "4.27.0", TrainerRule.EPOCH_WINDOW,
                "the window restarts each epoch; leftover micro-batches spill into the next epoch's first window"),
-    ReleaseRow("transformers", "4.27.0", "4.47.0", TrainerRule.GLOBAL_COUNTER.value,
+    ReleaseRow("transformers", "4.27.0", "4.47.0", TrainerRule.GLOBAL_COUNTER,
                "the window counter runs across epochs (transformers PR 22098); tiny epochs force an update"),
-    ReleaseRow("transformers", "4.47.0", None, TrainerRule.EPOCH_END.value,
+    ReleaseRow("transformers", "4.47.0", None, TrainerRule.EPOCH_END,
                "every epoch's last partial window is an update (transformers issue 31677)"),
 )
 
 PLANNED_STEPS = (
-    ReleaseRow("transformers", None, "4.52.0", PlannedSteps.FLOOR.value, "max_steps = E * max(N // G, 1)"),
-    ReleaseRow("transformers", "4.52.0", None, PlannedSteps.CEIL.value, "max_steps = E * ceil(N / G)"),
+    ReleaseRow("transformers", None, "4.52.0", PlannedSteps.FLOOR, "max_steps = E * max(N // G, 1)"),
+    ReleaseRow("transformers", "4.52.0", None, PlannedSteps.CEIL, "max_steps = E * ceil(N / G)"),
 )
 
 REMAINDER_CUT = ReleaseRow(
@@ -106,11 +81,11 @@ REMAINDER_CUT = ReleaseRow(
 # lies between the measured 4.29.2 (the Trainer calls engine.step()) and 4.39.3 (accelerate's wrapper does),
 # where the sources put it.
 ENGINE_STEPPERS = (
-    ReleaseRow("transformers", None, "4.30.0", EngineBoundary.MICRO_COUNTER.value,
+    ReleaseRow("transformers", None, "4.30.0", EngineBoundary.MICRO_COUNTER,
                "the Trainer calls engine.step() on every micro-batch itself (before accelerate)"),
-    ReleaseRow("accelerate", None, "1.8.0", EngineBoundary.MICRO_COUNTER.value,
+    ReleaseRow("accelerate", None, "1.8.0", EngineBoundary.MICRO_COUNTER,
                "accelerate's DeepSpeedEngineWrapper.backward calls engine.step() on every micro-batch"),
-    ReleaseRow("accelerate", "1.8.0", None, EngineBoundary.FOLLOWS_TRAINER.value,
+    ReleaseRow("accelerate", "1.8.0", None, EngineBoundary.FOLLOWS_TRAINER,
                "accelerate PR 3630 (issue 3552) sets the engine's boundary from the Trainer's sync_gradients"),
 )
 
@@ -211,8 +186,9 @@ class StackBehaviour:
                     "skips a step whose gradients are not finite)")
         if self.engine_boundary is EngineBoundary.FOLLOWS_TRAINER:
             return "use StepSyncCallback(policy='realign') to adopt the engine's count"
-        if parse_version(self.stack.transformers) >= parse_version("4.47.0"):
-            return "upgrade to accelerate>=1.8.0, or use policy='sync' (StepSyncCallback or stepsync.watch)"
+        if self.trainer_rule is TrainerRule.EPOCH_END:  # the count accelerate's fix makes the engine follow
+            fixed_in = next(row.since for row in ENGINE_STEPPERS if row.behaviour is EngineBoundary.FOLLOWS_TRAINER)
+            return f"upgrade to accelerate>={fixed_in}, or use policy='sync' (StepSyncCallback or stepsync.watch)"
         return "use policy='sync' (StepSyncCallback or stepsync.watch)"
 
 

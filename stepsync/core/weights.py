@@ -18,13 +18,12 @@ import os
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from .frameworks import BackwardCall
 from .versions import parse_version
 
 PROBES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weight_probes.json")
-# How backward is called: "engine" as plain DeepSpeed, Lightning and Fabric do (engine.backward(loss), the engine
-# divides by G); "accelerate" the same, inside accelerate's accumulate(); "trainer" as transformers' Trainer does
-# (engine.backward(loss / G, scale_wrt_gas=False)).
-CALLS = ("engine", "accelerate", "trainer")
+# The backward calls the probes measured (BackwardCall says each in words; Lightning's weighs as the engine's).
+CALLS = (BackwardCall.ENGINE, BackwardCall.ACCELERATE, BackwardCall.TRAINER)
 
 
 @dataclass(frozen=True)
@@ -66,19 +65,21 @@ class WeightFault:
     avoid: str
     first_wrong: int = 1
     last_kept: bool = False
-    calls: Tuple[str, ...] = CALLS
+    calls: Tuple[BackwardCall, ...] = CALLS
     through_outputs: bool = False
     repairable: bool = False
     accelerate: Optional[Tuple[str, str]] = None
     smallest_world: int = 1
 
-    def shows(self, deepspeed: str, stage: int, offload: bool, precision: str, g: int, call: str = "engine",
+    def shows(self, deepspeed: str, stage: int, offload: bool, precision: str, g: int,
+              call: BackwardCall = BackwardCall.ENGINE,
               through_outputs: Optional[bool] = False, accelerate: Optional[str] = None, world_size: int = 1) -> bool:
         """Whether this fault shows on this release and configuration: measured from ``first_measured`` on, and
         taken to last until ``fixed_in`` (the releases between the last measured and the fix included).
         ``through_outputs`` None: not known yet (before the first forward), so a fault that needs it may show."""
         return (stage in self.stages and self.offload in (None, offload) and self.precision in (None, precision)
-                and g >= self.smallest_g and call in self.calls and world_size >= self.smallest_world
+                and g >= self.smallest_g and BackwardCall(call).as_probed in self.calls
+                and world_size >= self.smallest_world
                 and (not self.through_outputs or through_outputs is not False)
                 and _within(deepspeed, self.first_measured, self.fixed_in)
                 and (self.accelerate is None or (accelerate is not None and _within(accelerate, *self.accelerate))))
@@ -113,28 +114,29 @@ FAULTS = (
                 "divides the Trainer's loss, already divided by G, by G again (its output hooks ignore "
                 "scale_wrt_gas=False): each micro-batch weighs 1/G^2",
                 "upgrade DeepSpeed to 0.18.4 or later (or pin 0.18.2); policy 'sync' undoes the extra division",
-                calls=("trainer",), repairable=True),
+                calls=(BackwardCall.TRAINER,), repairable=True),
     WeightFault("outputs-divided-again", (0, 1, 2), None, None, 2, "0.18.3", "0.19.5", "0.19.6", "0.18.2",
                 "divides the gradient by G once more for each tensor of the model's output that the loss is "
                 "computed from (a transformers model's logits): each micro-batch weighs 1/G^2 or less",
                 "upgrade DeepSpeed to 0.19.6 or later, or return the loss alone from forward (the other "
                 "tensors detached), or use ZeRO-3; policy 'sync' undoes the extra division",
-                calls=("engine", "accelerate"), through_outputs=True, repairable=True),
+                calls=(BackwardCall.ENGINE, BackwardCall.ACCELERATE), through_outputs=True, repairable=True),
     WeightFault("trainer-outputs-divided-again", (0, 1, 2), None, None, 2, "0.18.3", "0.18.3", "0.18.4", "0.18.2",
                 "divides the gradient by G once more for each tensor of the model's output that the loss is "
                 "computed from (a transformers model's logits), on top of the Trainer's extra division",
                 "upgrade DeepSpeed to 0.18.4 or later; policy 'sync' undoes the extra division",
-                calls=("trainer",), through_outputs=True, repairable=True),
+                calls=(BackwardCall.TRAINER,), through_outputs=True, repairable=True),
     WeightFault("accelerate-no-sync-undivided", (0, 1), False, None, 2, "0.16.2", "0.18.2", "0.18.3", "0.15.4",
                 "inside accelerate's accumulate() on several ranks (accelerate 1.8.0 - 1.12.x enters the engine's "
                 "no_sync()) leaves the micro-batches before the last of each window undivided by G: each weighs "
                 "1 in place of 1/G",
                 "upgrade accelerate to 1.13.0 or later, or DeepSpeed to 0.18.3 or later",
-                last_kept=True, calls=("accelerate",), accelerate=("1.8.0", "1.13.0"), smallest_world=2),
+                last_kept=True, calls=(BackwardCall.ACCELERATE,), accelerate=("1.8.0", "1.13.0"), smallest_world=2),
 )
 
 
-def weight_faults(deepspeed: str, stage: int, offload: bool, precision: str, g: int, call: str = "engine",
+def weight_faults(deepspeed: str, stage: int, offload: bool, precision: str, g: int,
+                  call: BackwardCall = BackwardCall.ENGINE,
                   through_outputs: Optional[bool] = False, accelerate: Optional[str] = None,
                   world_size: int = 1) -> List[WeightFault]:
     """The faults that show on this release and configuration, as probed (``through_outputs`` None: those that

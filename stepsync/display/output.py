@@ -13,6 +13,8 @@ import logging
 import sys
 from typing import Any, Callable, Optional
 
+from ..core.errors import StepSyncConfigError
+
 
 class _Prefixed(logging.LoggerAdapter):
     """Every message of the ``stepsync`` logger starts with ``stepsync: ``, whatever format the handler uses."""
@@ -70,7 +72,8 @@ class ConsoleOutput:
 
     def __init__(self, console: Any = None) -> None:
         if console is not None and console is not False and not hasattr(console, "print"):
-            raise ValueError(f"console must be a rich.console.Console, None or False, got {type(console).__name__}")
+            raise StepSyncConfigError("console must be a rich.console.Console, None or False, got "
+                                      f"{type(console).__name__}")
         self.console = console
 
     def show(self, view: Callable[[Any], Any], data: Any, level: int) -> None:

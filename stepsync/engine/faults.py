@@ -26,14 +26,14 @@ def switch_off(run: Run, reason: str, exc_info: Optional[BaseException] = None) 
     except Exception as exc:
         reason = (f"{reason}; DeepSpeed's own boundary could not be given back ({exc!r}): the engine keeps the last "
                   "boundary stepsync set")
-    say_switched_off(run.report, reason, exc_info)
+    say_switched_off(run.report, run.policy, reason, exc_info)
 
 
-def say_switched_off(report: SyncReport, reason: str, exc_info: Optional[BaseException] = None) -> None:
+def say_switched_off(report: SyncReport, policy: Policy, reason: str, exc_info: Optional[BaseException] = None) -> None:
     """Mark ``report`` inactive for ``reason`` and say so once, with the traceback that caused it."""
     report.active = False
     report.inactive_reason = reason
-    outcome = "policy 'raise' stops the run" if report.policy is Policy.RAISE else "training goes on"
+    outcome = f"policy '{policy.value}' stops the run" if policy.stops else "training goes on"
     logger.error("switched itself off for this run; %s. %s", outcome, reason, exc_info=exc_info)
 
 
@@ -72,9 +72,9 @@ class Adapter:
     def _failed(self, hook: str, exc: Exception, steering: bool) -> None:
         """A failure inside stepsync. Policy 'raise' stops the run. A fault of the steering (the same on every
         rank) switches stepsync off; a fault of the observing ends only the observing on this rank."""
-        if steering or self.policy is Policy.RAISE:
+        if steering or self.policy.stops:
             self._switch_off(f"internal error in {hook}: {exc!r}", exc_info=exc)
-            if self.policy is Policy.RAISE:
+            if self.policy.stops:
                 raise exc
             return
         if self._run is not None:
@@ -92,7 +92,7 @@ class Adapter:
     def _switch_off(self, reason: str, exc_info: Optional[BaseException] = None) -> None:
         run, self._run = self._run, None
         if run is None:
-            return say_switched_off(self.report, reason, exc_info)
+            return say_switched_off(self.report, self.policy, reason, exc_info)
         switch_off(run, reason, exc_info)
         self._undo_steering()
 

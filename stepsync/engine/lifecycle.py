@@ -11,10 +11,10 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Tuple
 
-from ..core.choices import Policy
+from ..core.choices import FaultAnswer, Policy
 from ..core.errors import StepSyncConfigError
 from ..core.forecast import forecast
-from ..core.frameworks import Framework
+from ..core.frameworks import BackwardCall, Framework
 from ..core.plan import RunPlan
 from ..core.prediction import what_the_updates_miss
 from ..core.record import ResumeRecord, step_of
@@ -116,12 +116,13 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None,
     report.active = True
     if not run.facts.deepspeed:
         report.updater = "optimizer"
-        run.note(f"no DeepSpeed: {start.framework.name}'s count is held against its optimizer's steps; the forecast, "
-                 "the record in every checkpoint and the resume check ran, DeepSpeed's own checks (its counter's "
-                 "boundary, each micro-batch's weight, skipped and non-finite updates, clipping) did not")
-    run.state_what_differs(start.framework.whose_g)
+        run.voice.note(f"no DeepSpeed: {start.framework.name}'s count is held against its optimizer's steps; the "
+                       "forecast, the record in every checkpoint and the resume check ran, DeepSpeed's own checks (its "
+                       "counter's boundary, each micro-batch's weight, skipped and non-finite updates, clipping) did "
+                       "not")
+    _state_what_differs(run, start.framework.whose_g)
     if start.record_problem:
-        run.error(f"{start.record_problem}; the report covers this run only")
+        run.voice.error(f"{start.record_problem}; the report covers this run only")
     _say_the_shift(run, start.shift)
     say_the_clip(run, start.asked_clip, start.clip_fix, "before the first micro-batch")
     in_force = run.facts.gradient_accumulation_steps or run.g
@@ -137,11 +138,26 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None,
     return run, steering
 
 
+def _state_what_differs(run: Run, whose_g: str) -> None:
+    """Say once, at the start, what makes this run differ from what the forecast assumes."""
+    if run.n is None:
+        run.voice.note("the train dataloader has no length: no forecast, and 'sync'/'drop_last' cannot plan windows")
+    engine_g = run.facts.gradient_accumulation_steps
+    if engine_g not in (None, run.g):
+        _refuse_or_warn(run, f"the engine's gradient_accumulation_steps={engine_g} differs from {whose_g} {run.g}: "
+                             "fix the DeepSpeed config (use \"auto\")", "before the first micro-batch", error=True)
+    if not run.facts.managed_accumulation:
+        run.voice.note("DeepSpeed's managed_gradient_accumulation is false: the engine updates at every step() call, "
+                             "not at its own boundaries; the forecast assumes managed accumulation and will differ")
+    for caveat in run.behaviour.caveats:
+        run.voice.note(caveat)
+
+
 def _count_from(run: Run, trainer_steps: int) -> None:
     """The counts training begins with: the framework's, and the engine's as read now."""
     report = run.report
     report.trainer_steps, report.engine_steps = trainer_steps, run.engine_steps_seen
-    report.engine_skipped = run.skipped_seen
+    report.engine_skipped = run.updates.skipped_seen
     report.inherited_drift = report.drift
 
 
@@ -154,23 +170,23 @@ def start_training(run: Run, start: RunStart, resumed: bool = False) -> None:
         run.epoch, run.start_epoch, run.skip = start.start_epoch - 1, start.start_epoch, start.skip
         run.plan = start.plan
         run.engine_steps_seen = run.engine_at_last_update = run.engine.global_steps
-        run.skipped_seen = run.engine.skipped_steps if run.counts_skips else 0
+        run.updates.skipped_seen = run.engine.skipped_steps if run.counts_skips else 0
         _count_from(run, start.trainer_steps)
     if start.plan is not None:
-        predicted = forecast(start.plan, start.behaviour, report.policy)
+        predicted = forecast(start.plan, start.behaviour, run.policy)
         predicted.resume_shift = start.shift
         if start.planned_by_forecast:
             report.planned_steps = predicted.planned_steps
         elif report.planned_steps is not None and predicted.planned_steps != report.planned_steps:
-            run.note(f"{start.framework.name} planned max_steps={report.planned_steps}, the forecast "
-                     f"{predicted.planned_steps}: the forecast may be off for this release")
-        run.announce(predicted)
+            run.voice.note(f"{start.framework.name} planned max_steps={report.planned_steps}, the forecast "
+                           f"{predicted.planned_steps}: the forecast may be off for this release")
+        run.voice.announce(predicted)
     if start.record is not None:
         continue_from(run, start.record)
     run.check(start.trainer_steps, "train_begin", start.inherited_remedy)
 
 
-def _say_the_weight_faults(run: Run, stack: Any, g: int, call: str) -> None:
+def _say_the_weight_faults(run: Run, stack: Any, g: int, call: BackwardCall) -> None:
     """What the installed DeepSpeed does to each micro-batch's weight in this configuration, as probed: warned, or
     refused before the first micro-batch under raise, and under sync where stepsync cannot repair it from outside.
     The faults that need the model's output are read at its first forward (:mod:`stepsync.engine.outputs`)."""
@@ -186,15 +202,16 @@ def _say_the_weight_faults(run: Run, stack: Any, g: int, call: str) -> None:
             continue
         text = fault.message(deepspeed, g)
         run.report.weight_faults.append(text)
-        policy = run.report.policy
-        if policy is Policy.SYNC and fault.repairable:
-            run.note(f"{text}; policy 'sync' multiplies the loss's gradient by {g}, so that each micro-batch "
-                     "weighs 1/G")
-        elif policy in (Policy.RAISE, Policy.SYNC):
+        policy = run.policy
+        answer = policy.answer_to_weight_fault(fault.repairable)
+        if answer is FaultAnswer.REPAIR:
+            run.voice.note(f"{text}; policy '{policy.value}' multiplies the loss's gradient by {g}, so that each "
+                           "micro-batch weighs 1/G")
+        elif answer is FaultAnswer.REFUSE:
             raise StepSyncConfigError(f"{text}; policy '{policy.value}' stops before the first micro-batch "
                                       "(stepsync cannot make these updates right from outside DeepSpeed)")
         else:
-            run.warn(text)
+            run.voice.warn(text)
     run.output_hooks = watch_outputs(run, faults, deepspeed, g)
 
 
@@ -204,11 +221,11 @@ def _say_the_shift(run: Run, shift: Optional[ResumeShift]) -> None:
         return
     run.report.resume_shift = shift
     if shift.exact:
-        run.note(shift.message())
-    elif run.report.policy is Policy.RAISE:
+        run.voice.note(shift.message())
+    elif run.policy.stops:
         raise StepSyncConfigError(f"{shift.message()}; policy 'raise' stops every rank before the first micro-batch")
     else:
-        run.warn(shift.message())
+        run.voice.warn(shift.message())
 
 
 def say_the_clip(run: Run, asked: Optional[float], fix: str, where: str) -> None:
@@ -224,11 +241,12 @@ def say_the_clip(run: Run, asked: Optional[float], fix: str, where: str) -> None
     _refuse_or_warn(run, text, where)
 
 
-def _refuse_or_warn(run: Run, text: str, where: str) -> None:
-    """What is in force is not what was asked: a warning, or under raise a stop ``where`` it is found."""
-    if run.report.policy is Policy.RAISE:
-        raise StepSyncConfigError(f"{text}; policy 'raise' stops {where}")
-    run.warn(text)
+def _refuse_or_warn(run: Run, text: str, where: str, error: bool = False) -> None:
+    """What is in force is not what was asked: a warning (an ``error`` where every rank must hear it), or under a
+    policy that stops, a stop ``where`` it is found."""
+    if run.policy.stops:
+        raise StepSyncConfigError(f"{text}; policy '{run.policy.value}' stops {where}")
+    (run.voice.error if error else run.voice.warn)(text)
 
 
 def close_run(report: SyncReport, run: Optional[Run], trainer_steps: int,
@@ -242,10 +260,10 @@ def close_run(report: SyncReport, run: Optional[Run], trainer_steps: int,
         # The framework loaded a checkpoint into the engine after training (the Trainer's load_best_model_at_end):
         # the report keeps the counts of the training that happened.
         report.loaded_checkpoint = LoadedCheckpoint(loaded_folder, step_of(loaded_folder), run.engine.global_steps)
-        run.note(f"after training {report.framework.name} loaded {report.loaded_checkpoint}; this report describes "
-                 "the training that happened")
+        run.voice.note(f"after training {report.framework.name} loaded {report.loaded_checkpoint}; this report "
+                       "describes the training that happened")
     if run.observing:
         if report.forecast is not None:  # the resume's shift has its own line
             report.update_flaws = what_the_updates_miss(replace(report.forecast, resume_shift=None))
-        run.summarize()
+        run.voice.summarize()
     return report

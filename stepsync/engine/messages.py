@@ -3,31 +3,25 @@ framework's own logs go), the forecast at the start and the summary at the end."
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
-from ..core.choices import Policy
-from ..core.errors import StepSyncConfigError
 from ..core.prediction import Forecast
 from ..display import render
 from ..display.output import logger
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..core.report import SyncReport
-    from ..core.versions import StackBehaviour
-    from .deepspeed import EngineFacts
 
 
-class Messages:
-    """The run's voice; :class:`~stepsync.engine.run.Run` has the attributes it reads."""
+class Voice:
+    """The run's voice: every note, warning and error goes into the report, and is said where this rank speaks."""
 
-    __slots__ = ()
-    report: SyncReport
-    is_main: bool
-    output: Any
-    n: Optional[int]
-    g: int
-    facts: EngineFacts
-    behaviour: StackBehaviour
+    __slots__ = ("report", "is_main", "output")
+
+    def __init__(self, report: SyncReport, is_main: bool, output: Any) -> None:
+        self.report = report
+        self.is_main = is_main
+        self.output = output
 
     def note(self, text: str) -> None:
         self.report.notes.append(text)
@@ -42,22 +36,6 @@ class Messages:
     def error(self, text: str) -> None:
         self.report.notes.append(text)
         logger.error("%s", text)
-
-    def state_what_differs(self, whose_g: str) -> None:
-        """Say once, at the start, what makes this run differ from what the forecast assumes."""
-        if self.n is None:
-            self.note("the train dataloader has no length: no forecast, and 'sync'/'drop_last' cannot plan windows")
-        if self.facts.gradient_accumulation_steps not in (None, self.g):
-            text = (f"the engine's gradient_accumulation_steps={self.facts.gradient_accumulation_steps} differs "
-                    f"from {whose_g} {self.g}: fix the DeepSpeed config (use \"auto\")")
-            if self.report.policy is Policy.RAISE:
-                raise StepSyncConfigError(f"{text}; policy 'raise' stops before the first micro-batch")
-            self.error(text)
-        if not self.facts.managed_accumulation:
-            self.note("DeepSpeed's managed_gradient_accumulation is false: the engine updates at every step() call, "
-                      "not at its own boundaries; the forecast assumes managed accumulation and will differ")
-        for caveat in self.behaviour.caveats:
-            self.note(caveat)
 
     def announce(self, predicted: Forecast) -> None:
         """The forecast at the start: its verdict, its table, and an early end said as a warning."""

@@ -2,48 +2,58 @@
 finite. Read once per update (never per micro-batch), kept in the report, said once, and handed to the policy."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from ..core.events import NonFiniteUpdate, SkippedUpdate
 from ..core.frameworks import NON_FINITE_METRIC, SKIPPED_METRIC
-from .deepspeed import loss_scale
-from .messages import Messages
+from .deepspeed import EngineFacts, FiniteWeights, loss_scale
+from .messages import Voice
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .deepspeed import FiniteWeights
+    from ..core.report import SyncReport
     from .steering import PolicyAction
 
 
-class UpdateOutcomes(Messages):
-    """The run's reading of what each update did; :class:`~stepsync.engine.run.Run` has the attributes it reads."""
+class Run(Protocol):
+    """Where the run stands when an update is read, and whose policy hears of it (:class:`stepsync.engine.run.Run`)."""
 
-    # Read once per update: they lead the object's layout, ahead of the run's own slots.
-    __slots__ = ("skipped_seen", "weights_each_update", "weights")
-    skipped_seen: int
-    weights: Optional[FiniteWeights]
-    weights_each_update: bool
-    engine: Any
     epoch: int
     position: int
     engine_steps_seen: int
     observing: bool
     action: PolicyAction
-    _observe: Callable[..., None]
 
-    def _took_a_skip(self) -> None:
+    def observe(self, observation: Callable[..., None], *args: Any) -> None: ...
+
+
+class Updates:
+    """What the engine's updates did, read once per update (never per micro-batch): the skips it counted and the
+    first update after which the weights were not finite. Part of a :class:`~stepsync.engine.run.Run`, which hands
+    itself in for where it stands and whose policy hears of each."""
+
+    __slots__ = ("engine", "facts", "report", "voice", "skipped_seen", "weights", "weights_each_update")
+
+    def __init__(self, engine: Any, facts: EngineFacts, report: SyncReport, voice: Voice) -> None:
+        self.engine, self.facts, self.report, self.voice = engine, facts, report, voice
+        self.skipped_seen = engine.skipped_steps if facts.counts_skips else 0
+        # An engine that applies non-finite gradients: its weights are read after every update, or at epoch ends.
+        self.weights: Optional[FiniteWeights] = FiniteWeights(engine) if facts.unchecked_gradients else None
+        self.weights_each_update = self.weights is not None and self.weights.each_update
+
+    def took_a_skip(self, run: Run) -> None:
         """The engine counted an update it did not apply (its ``skipped_steps`` rose): the report keeps where, the
         policy hears of it, and the first whose data is lost is said at once (the summary counts the rest)."""
         self.skipped_seen = self.engine.skipped_steps
         searching = self.facts.skips_by_design
-        at_minimum = searching and self._scale_was_at_its_minimum(self.engine_steps_seen)
+        at_minimum = searching and self._scale_was_at_its_minimum(run.engine_steps_seen)
         scale = loss_scale(self.engine) if searching else None
-        skip = SkippedUpdate(max(self.epoch, 0) + 1, self.position, self.engine_steps_seen,
+        skip = SkippedUpdate(max(run.epoch, 0) + 1, run.position, run.engine_steps_seen,
                              searching and not at_minimum, at_minimum, scale.now if scale is not None else None)
         self.report.engine_skipped = self.skipped_seen
         self.report.skipped_updates.append(skip)
-        if self.observing:
-            self._observe(self.say_skipped, skip)
-        self.action.on_skipped_update(skip)
+        if run.observing:
+            run.observe(self.say_skipped, skip)
+        run.action.on_skipped_update(skip)
 
     def _scale_was_at_its_minimum(self, engine_steps: int) -> bool:
         """fp16: whether this skip found the loss scale already at its minimum, where the search can go no lower:
@@ -54,24 +64,24 @@ class UpdateOutcomes(Messages):
                 and before.loss_scale is not None and before.loss_scale <= scale.minimum
                 and engine_steps - before.engine_steps <= scale.window)
 
-    def _check_weights_now(self) -> None:
+    def check_weights_now(self, run: Run) -> None:
         """Where the weights are read at epoch ends only (and at the end), read them."""
         if self.weights is not None and not self.weights_each_update and not self.weights.finite():
-            self._took_non_finite()
+            self.took_non_finite(run)
 
-    def _took_non_finite(self) -> None:
+    def took_non_finite(self, run: Run) -> None:
         """The weights are no longer finite after an update the engine applied: kept where, said, and given to
         the policy; later updates cannot make them finite again, so they are not read any more."""
         weights, self.weights, self.weights_each_update = self.weights, None, False
         assert weights is not None
-        update = NonFiniteUpdate(max(self.epoch, 0) + 1, self.position, self.engine_steps_seen,
+        update = NonFiniteUpdate(max(run.epoch, 0) + 1, run.position, run.engine_steps_seen,
                                  weights.each_update, self.facts.unchecked_gradients)
         self.report.non_finite = update
-        if self.observing:
-            self._observe(self.say_non_finite, update)
-        self.action.on_non_finite_update(update)
+        if run.observing:
+            run.observe(self.say_non_finite, update)
+        run.action.on_non_finite_update(update)
 
-    def update_metrics(self) -> dict:
+    def metrics(self) -> dict:
         """What the updates did, beside each framework's counts: once there is something to say."""
         metrics = {}
         if self.skipped_seen:
@@ -85,20 +95,20 @@ class UpdateOutcomes(Messages):
         if sum(s.by_design == skip.by_design for s in self.report.skipped_updates) > 1:
             return
         if skip.by_design:
-            self.note(f"the engine skipped {skip}: fp16's dynamic loss scale skips updates while it searches for a "
-                      "scale; engine.global_steps counts them, and the report counts them apart")
+            self.voice.note(f"the engine skipped {skip}: fp16's dynamic loss scale skips updates while it searches for "
+                            "a scale; engine.global_steps counts them, and the report counts them apart")
             return
         framework = self.report.framework
         schedule = (f"{framework.name} steps the LR scheduler on its own count, so the LR moved for it all the same "
                     "(stepsync cannot take a scheduler's step back)" if framework.schedules_on_its_count else
                     "the LR schedule does not move for it")
-        self.warn(f"the engine skipped {skip}. engine.global_steps counts it all the same, and {schedule}; find the "
-                  "micro-batch whose loss is not finite in that window (policy 'raise' stops at the first such "
-                  "update); later skips are counted in the report")
+        self.voice.warn(f"the engine skipped {skip}. engine.global_steps counts it all the same, and {schedule}; find "
+                        "the micro-batch whose loss is not finite in that window (policy 'raise' stops at the first "
+                        "such update); later skips are counted in the report")
 
     def say_non_finite(self, update: NonFiniteUpdate) -> None:
         """Said once: the weights cannot become finite again, so nothing after it is said."""
-        self.warn(f"{update}. The engine counts this and every later update as made, and the LR schedule moves on, "
-                  "but they train nothing: find the micro-batch whose loss is not finite (policy 'raise' stops at "
-                  "this update)")
+        self.voice.warn(f"{update}. The engine counts this and every later update as made, and the LR schedule moves "
+                        "on, but they train nothing: find the micro-batch whose loss is not finite (policy 'raise' "
+                        "stops at this update)")
 

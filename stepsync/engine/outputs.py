@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence, Set, Tuple
 
-from ..core.choices import Policy
+from ..core.choices import FaultAnswer
 from ..core.errors import StepSyncConfigError
 from ..core.weights import WeightFault
 
@@ -81,7 +81,7 @@ class OutputHooks:
         self.faults = list(faults)
         self.deepspeed = deepspeed
         self.g = g
-        self.repairs = run.report.policy is Policy.SYNC
+        self.repairs = run.policy.steers_the_boundary
         self.repair_loss = any(not fault.through_outputs for fault in self.faults)
         self.repair_others = False
         self.first = True
@@ -117,20 +117,21 @@ class OutputHooks:
             self.repair_others = True
             text = fault.message(self.deepspeed, self.g)
             self.run.report.weight_faults.append(text)
-            if self.run.report.policy is Policy.RAISE:
-                raise StepSyncConfigError(f"{text}; policy 'raise' stops at the first forward, before any "
-                                          "gradient is made")
-            if self.repairs:
-                self.run.note(f"{text}; policy 'sync' multiplies the gradient at those tensors by {self.g}, so "
-                              "that each micro-batch weighs 1/G")
+            answer = self.run.policy.answer_to_weight_fault(repairable=True)
+            if answer is FaultAnswer.REFUSE:
+                raise StepSyncConfigError(f"{text}; policy '{self.run.policy.value}' stops at the first forward, "
+                                          "before any gradient is made")
+            if answer is FaultAnswer.REPAIR:
+                self.run.voice.note(f"{text}; policy '{self.run.policy.value}' multiplies the gradient at those "
+                                    f"tensors by {self.g}, so that each micro-batch weighs 1/G")
             else:
-                self.run.warn(text)
+                self.run.voice.warn(text)
 
 
 def watch_outputs(run: Any, faults: Sequence[WeightFault], deepspeed: Optional[str], g: int) -> Optional[OutputHooks]:
     """Hooks on the engine's module where a fault is to be read from the output or undone; None where none is."""
     wanted = [fault for fault in faults if fault.through_outputs
-              or (fault.repairable and run.report.policy is Policy.SYNC)]
+              or run.policy.answer_to_weight_fault(fault.repairable) is FaultAnswer.REPAIR]
     module = getattr(run.engine, "module", None)
     if not wanted or deepspeed is None or not hasattr(module, "register_forward_hook"):
         return None

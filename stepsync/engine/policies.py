@@ -28,9 +28,9 @@ def lowered_plan(run: RunView, policy: Policy, reaching: str) -> Optional[Steeri
     reachable = forecast(run.plan, run.behaviour, policy).reachable_steps
     if reachable is None:
         return None
-    run.note(f"policy '{policy.value}': {reaching} {reachable} of the {run.report.planned_steps} updates the Trainer "
-             f"planned; its max_steps is lowered to {reachable} so that the run ends (last checkpoint, "
-             "evaluation, progress bar) at its last update")
+    run.voice.note(f"policy '{policy.value}': {reaching} {reachable} of the {run.report.planned_steps} updates the "
+                   f"Trainer planned; its max_steps is lowered to {reachable} so that the run ends (last checkpoint, "
+                   "evaluation, progress bar) at its last update")
     return Steering(max_steps=reachable)
 
 
@@ -63,8 +63,8 @@ class RealignAction(PolicyAction):
 
     def begin(self, run: RunView) -> Optional[Steering]:
         if run.behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER and not run.report.inherited_drift:
-            run.note(f"policy 'realign' does nothing here: {already_follows(run)}; it would only correct a drift "
-                     "from a checkpoint")
+            run.voice.note(f"policy 'realign' does nothing here: {already_follows(run)}; it would only correct a drift "
+                           "from a checkpoint")
             return None
         return lowered_plan(run, self.policy, "the engine can make")
 
@@ -125,7 +125,7 @@ class SyncAction(PolicyAction):
         if trainer_updated == self.expected == engine_updated:
             self._prepare(run)
             return None
-        run.error(
+        run.voice.error(
             f"policy 'sync' expected {'an' if self.expected else 'no'} update at epoch {run.epoch + 1}, "
             f"micro-batch {run.position}, but the Trainer {'did' if trainer_updated else 'did not'} count one "
             f"and the engine {'did' if engine_updated else 'did not'} make one; falling back to 'realign'"
@@ -178,7 +178,7 @@ def already_follows(run: RunView) -> str:
 
 
 def nothing_to_sync(run: RunView) -> Steering:
-    run.note(f"policy 'sync' does nothing here: {already_follows(run)}")
+    run.voice.note(f"policy 'sync' does nothing here: {already_follows(run)}")
     return Steering(replacement=WatchOnly(Policy.SYNC))
 
 
@@ -193,17 +193,15 @@ class DropLastAction(PolicyAction):
 
     def begin(self, run: RunView) -> Optional[Steering]:
         if run.n is None:
-            run.note("policy 'drop_last' needs len(train_dataloader); without it no window is dropped")
+            run.voice.note("policy 'drop_last' needs len(train_dataloader); without it no window is dropped")
             return Steering(replacement=WatchOnly(Policy.DROP_LAST))
-        if run.n < run.g:
-            raise StepSyncConfigError(
-                f"policy 'drop_last' would drop every micro-batch: an epoch has {run.n} micro-batches, fewer than "
-                f"gradient_accumulation_steps={run.g}; lower gradient_accumulation_steps or use policy='sync'"
-            )
-        if run.n % run.g == 0:
-            run.note(f"policy 'drop_last' drops nothing: {run.n} micro-batches per epoch is a multiple of G={run.g}")
+        last_full_window = last_whole_window(self.policy, run.n, run.g, run.report.framework.g_setting,
+                                             " or use policy='sync'")
+        if last_full_window == run.n:
+            run.voice.note(f"policy 'drop_last' drops nothing: {run.n} micro-batches per epoch is a multiple of "
+                           f"G={run.g}")
             return Steering(replacement=WatchOnly(Policy.DROP_LAST))
-        self.last_full_window = (run.n // run.g) * run.g
+        self.last_full_window = last_full_window
         return lowered_plan(run, self.policy, "whole windows give")
 
     def last_position(self, run: RunView) -> Optional[int]:
@@ -216,6 +214,15 @@ class DropLastAction(PolicyAction):
         return None
 
 
+def last_whole_window(policy: Policy, n: int, g: int, setting: str, instead: str = "") -> int:
+    """The micro-batches of an epoch of ``n`` that its whole windows of ``g`` hold; an epoch shorter than one window
+    is refused (its every micro-batch would go untrained), naming ``setting`` and what to do ``instead``."""
+    if n < g:
+        raise StepSyncConfigError(f"policy '{policy.value}' would drop every micro-batch: an epoch has {n} "
+                                  f"micro-batches, fewer than {setting}={g}; lower {setting}{instead}")
+    return n - n % g
+
+
 class WatchOnly(PolicyAction):
     """A remedy with nothing to do on this run; it keeps its name in the report."""
 
@@ -226,8 +233,7 @@ class WatchOnly(PolicyAction):
 def fall_back(run: RunView, reason: Optional[str]) -> Steering:
     """Hand the run to ``realign`` for the rest of it, never silently drifting on."""
     if reason:
-        run.error(f"{reason}; falling back to policy 'realign'")
-    run.report.policy = Policy.REALIGN
+        run.voice.error(f"{reason}; falling back to policy 'realign'")
     realign = RealignAction()
     started = realign.begin(run) or Steering()
     return Steering(max_steps=started.max_steps, replacement=realign)

@@ -13,7 +13,7 @@ def record_of(run: Run) -> ResumeRecord:
     report = run.report
     epoch, skip = run.next_position()
     return ResumeRecord(
-        policy=report.policy.value,
+        policy=run.policy.value,
         trainer_steps=run.trainer_steps_seen,
         engine_steps=run.engine_steps_seen,
         resume_steps=resume_steps_for(epoch, skip, run.n, run.g, run.behaviour) if run.n else None,
@@ -38,8 +38,8 @@ def continue_from(run: Run, record: ResumeRecord) -> None:
     text = (f"resumed from a checkpoint saved at {report.counter}/{report.updater} {record.trainer_steps}/"
             f"{record.engine_steps} "
             f"under policy '{record.policy}'; the report continues it")
-    run.note(text + (f" (drift {record.drift:+d} carried over)" if record.drift else ""))
+    run.voice.note(text + (f" (drift {record.drift:+d} carried over)" if record.drift else ""))
     if record.unapplied_at_save:
-        run.note(f"the checkpoint was saved with {record.unapplied_at_save} micro-batch(es) in DeepSpeed's "
-                  "open window; DeepSpeed saves neither their gradients nor its micro-step counter, so they "
-                  "are lost and the engine's windows restart here")
+        run.voice.note(f"the checkpoint was saved with {record.unapplied_at_save} micro-batch(es) in DeepSpeed's "
+                        "open window; DeepSpeed saves neither their gradients nor its micro-step counter, so they "
+                        "are lost and the engine's windows restart here")

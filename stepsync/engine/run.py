@@ -20,12 +20,13 @@ from ..core.report import EpochCount, SyncReport
 from ..core.versions import StackBehaviour
 from ..display import render
 from ..display.output import ConsoleOutput, logger
-from .deepspeed import FiniteWeights, engine_facts
-from .outcomes import UpdateOutcomes
+from .deepspeed import engine_facts
+from .messages import Voice
+from .outcomes import Updates
 from .steering import AT_DRIFT, EVERY_MICRO_BATCH, PolicyAction, Steering
 
 
-class Run(UpdateOutcomes):
+class Run:
     """Where the run is, as stepsync counts it: epoch, position in the epoch, engine counters.
 
     Args:
@@ -64,8 +65,8 @@ class Run(UpdateOutcomes):
 
     # What every micro-batch reads comes first: it shares the object's first cache lines.
     __slots__ = ("position", "engine", "engine_steps_seen", "since_engine_update", "steers", "observing", "report",
-                 "counts_skips",
-                 "last_drift", "trainer_steps_seen", "action", "engine_at_last_update", "engine_moved_in_window",
+                 "counts_skips", "updates", "voice", "last_drift", "trainer_steps_seen", "action",
+                 "engine_at_last_update", "engine_moved_in_window",
                  "facts", "behaviour", "n", "g", "output", "is_main", "plan", "epoch", "start_epoch", "skip",
                  "done_before_epoch", "t_before_epoch", "remedy", "known_cause", "checks_every_micro_batch", "layout",
                  "output_hooks")
@@ -93,10 +94,8 @@ class Run(UpdateOutcomes):
         self.t_before_epoch = 0
         self.engine_steps_seen = engine.global_steps
         self.counts_skips = self.facts.counts_skips
-        self.skipped_seen = engine.skipped_steps if self.counts_skips else 0
-        # An engine that applies non-finite gradients: its weights are read after every update, or at epoch ends.
-        self.weights = FiniteWeights(engine) if self.facts.unchecked_gradients else None
-        self.weights_each_update = self.weights is not None and self.weights.each_update
+        self.voice = Voice(report, is_main, output)
+        self.updates = Updates(engine, self.facts, report, self.voice)
         self.engine_at_last_update = self.engine_steps_seen
         self.trainer_steps_seen = 0
         self.engine_moved_in_window = False
@@ -140,16 +139,17 @@ class Run(UpdateOutcomes):
         if engine_updated:
             self.engine_steps_seen = engine_steps
             self.since_engine_update = 0
-            if self.counts_skips and self.engine.skipped_steps != self.skipped_seen:  # once per update, not batch
-                self._took_a_skip()
-            if self.weights_each_update and not self.weights.finite():  # type: ignore[union-attr]  # set together
-                self._took_non_finite()
+            updates = self.updates
+            if self.counts_skips and self.engine.skipped_steps != updates.skipped_seen:  # once per update, not batch
+                updates.took_a_skip(self)
+            if updates.weights_each_update and not updates.weights.finite():  # type: ignore[union-attr]  # set together
+                updates.took_non_finite(self)
         else:
             self.since_engine_update += 1
         steers = self.steers
         if not trainer_updated and steers != EVERY_MICRO_BATCH:  # most micro-batches of most policies end here
             if self.checks_every_micro_batch and self.observing and trainer_steps - engine_steps != self.last_drift:
-                self._observe(self.check, trainer_steps, "batch_end")
+                self.observe(self.check, trainer_steps, "batch_end")
             return None
         if trainer_updated:
             self.engine_moved_in_window = engine_steps != self.engine_at_last_update
@@ -164,22 +164,22 @@ class Run(UpdateOutcomes):
             self.trainer_steps_seen = trainer_steps
             # check()'s own test, without its call: the report's counts catch up at the next event or epoch end
             if self.observing and trainer_steps - self.engine_steps_seen != self.last_drift:
-                self._observe(self.check, trainer_steps, "step_end" if trainer_updated else "batch_end")
+                self.observe(self.check, trainer_steps, "step_end" if trainer_updated else "batch_end")
         return steering
 
     def end_epoch(self, trainer_steps: int) -> Optional[Steering]:
         """The epoch is over: the policy's last word on it, then its check and its counts in the report."""
         self.engine_steps_seen = self.engine.global_steps
-        if self.counts_skips and self.engine.skipped_steps != self.skipped_seen:
-            self._took_a_skip()
-        self._check_weights_now()
+        if self.counts_skips and self.engine.skipped_steps != self.updates.skipped_seen:
+            self.updates.took_a_skip(self)
+        self.updates.check_weights_now(self)
         steering = self._took(self.action.at_epoch_end(self, trainer_steps))
         if steering is not None and steering.trainer_steps is not None:
             trainer_steps = steering.trainer_steps
             self._adopted(trainer_steps)
         self.trainer_steps_seen = trainer_steps
         if self.observing:
-            self._observe(self._close_epoch, trainer_steps)
+            self.observe(self._close_epoch, trainer_steps)
         return steering
 
     def finish(self, trainer_steps: int) -> bool:
@@ -190,12 +190,12 @@ class Run(UpdateOutcomes):
             self.output_hooks.remove()
         if not self.facts.deepspeed:
             self.engine.stop_counting()
-        self._check_weights_now()
+        self.updates.check_weights_now(self)
         if not self.observing:
             return False
         self.report.trainer_steps = trainer_steps
         self.report.engine_steps = self.engine_steps_seen
-        self.report.engine_skipped = self.skipped_seen
+        self.report.engine_skipped = self.updates.skipped_seen
         self.report.unapplied_micro_batches = self.since_engine_update
         return self.engine.global_steps != self.engine_steps_seen
 
@@ -209,15 +209,21 @@ class Run(UpdateOutcomes):
     def _adopted(self, trainer_steps: int) -> None:
         """The policy set the count to the engine's: a drift carried until now is taken back, not a new event."""
         if self.last_drift and trainer_steps == self.engine_steps_seen and self.observing:
-            self.note(f"policy '{self.report.policy.value}' set the {self.report.counter}'s count to the "
-                      f"{self.report.updater}'s ({trainer_steps}) at epoch {self.epoch + 1}, micro-batch "
-                      f"{self.position}: the drift {self.last_drift:+d} carried until then is taken back")
+            self.voice.note(f"policy '{self.policy.value}' set the {self.report.counter}'s count to the "
+                            f"{self.report.updater}'s ({trainer_steps}) at epoch {self.epoch + 1}, micro-batch "
+                            f"{self.position}: the drift {self.last_drift:+d} carried until then is taken back")
             self.last_drift = 0
+
+    @property
+    def policy(self) -> Policy:
+        """The policy acting now (the user's, or the one it fell back to); the report keeps a copy."""
+        return self.action.policy
 
     def _took(self, steering: Optional[Steering]) -> Optional[Steering]:
         if steering is not None and steering.replacement is not None:
             self.action = steering.replacement
             self.steers = int(self.action.steers)  # a plain int: compared on every micro-batch
+            self.report.policy = self.action.policy
         return steering
 
     # ------------------------------------------------------------ checks
@@ -266,7 +272,7 @@ class Run(UpdateOutcomes):
         """The epoch's check, its counts in the report, and their comparison with the forecast."""
         self.check(trainer_steps, "epoch_end")
         self.report.epochs.append(EpochCount(self.epoch + 1, self.position - self._first_position(), trainer_steps,
-                                             self.engine_steps_seen, self.skipped_seen))
+                                             self.engine_steps_seen, self.updates.skipped_seen))
         predicted: Optional[Forecast] = self.report.forecast
         if predicted is None:
             return
@@ -285,7 +291,7 @@ class Run(UpdateOutcomes):
         """``micro_batches`` of (1-based) ``epoch`` are left untrained by the policy."""
         self.report.dropped_micro_batches[epoch] = micro_batches
 
-    def _observe(self, observation, *args) -> None:
+    def observe(self, observation, *args) -> None:
         """Run one observation; a fault in it ends observing on this rank and never changes the steering."""
         try:
             observation(*args)
@@ -298,11 +304,11 @@ class Run(UpdateOutcomes):
         """A fault of the observing: no more checks, messages or metrics on this rank; the policy goes on (policy
         'raise' stops the run instead)."""
         reason = f"internal error in {where}: {exc!r}"
-        if self.report.policy is Policy.RAISE:
+        if self.policy.stops:
             raise exc
         self.observing = False
         self.report.active = False
-        self.report.inactive_reason = f"{reason}; stopped observing, policy '{self.report.policy.value}' still acts"
+        self.report.inactive_reason = f"{reason}; stopped observing, policy '{self.policy.value}' still acts"
         logger.error("stopped observing this run on this rank (no more checks, messages or metrics); its policy "
-                     "'%s' goes on acting on training as on every other rank. %s", self.report.policy.value, reason,
+                     "'%s' goes on acting on training as on every other rank. %s", self.policy.value, reason,
                      exc_info=exc)

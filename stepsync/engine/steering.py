@@ -16,6 +16,7 @@ from ..core.plan import RunPlan
 from ..core.report import SyncReport
 from ..core.versions import StackBehaviour
 from .deepspeed import EngineFacts
+from .messages import Voice
 
 
 class Steers(IntEnum):
@@ -46,10 +47,10 @@ class RunView(Protocol):
     t_before_epoch: int
     engine_steps_seen: int
     engine_moved_in_window: bool
+    voice: Voice
 
-    def note(self, text: str) -> None: ...
-
-    def error(self, text: str) -> None: ...
+    @property
+    def policy(self) -> Policy: ...
 
     def drop(self, epoch: int, micro_batches: int) -> None: ...
 

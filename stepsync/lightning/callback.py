@@ -16,7 +16,7 @@ from ..core.relayout import position, replayed_epoch_shift
 from ..display.output import ConsoleOutput
 from ..engine.faults import Adapter, guarded
 from ..engine.lifecycle import RunStart, close_run, idle_report, open_run
-from ..engine.policies import WatchOnly, action_for
+from ..engine.policies import WatchOnly, action_for, last_whole_window
 from ..engine.resume import record_of
 from ..engine.run import Run
 from . import lightning as lightning_facts
@@ -95,7 +95,7 @@ class StepSyncCallback(Callback, Adapter):
                                       speaks=trainer.is_global_zero)
             return
         n, g = lightning_facts.batches_per_epoch(trainer), int(trainer.accumulate_grad_batches)
-        if self.policy is Policy.SYNC and n is None:
+        if self.policy.steers_the_boundary and n is None:
             raise StepSyncConfigError("policy 'sync' needs the train dataloader's length to know where Lightning "
                                       "counts its updates: give the dataloader a length, or use policy='warn'")
         self._batches = self._whole_windows(n, g)
@@ -120,7 +120,7 @@ class StepSyncCallback(Callback, Adapter):
             trainer.global_step, engine.global_steps, zero_stage=lightning_facts.zero_stage(trainer.strategy),
             start=(epoch, batch_idx))
         # drop_last ends Lightning's epochs itself (before they start): the run's action only watches
-        action = WatchOnly(Policy.DROP_LAST) if self.policy is Policy.DROP_LAST else action_for(self.policy)
+        action = WatchOnly(self.policy) if self.policy.ends_epochs_early else action_for(self.policy)
         self._last_count = trainer.global_step
         record = None if self._saved is None else ResumeRecord.from_dict(self._saved)
         layout = lightning_facts.data_layout(trainer, g)
@@ -139,20 +139,16 @@ class StepSyncCallback(Callback, Adapter):
 
     def _keep(self, run: Run) -> None:
         self._run, self.report, self._epoch_open = run, run.report, False
-        if self.policy is Policy.SYNC and run.facts.can_override_boundary:
+        if self.policy.steers_the_boundary and run.facts.can_override_boundary:
             self._train_batch_size = lightning_facts.scale_the_loss_once(run.engine)
 
     def _whole_windows(self, n: Optional[int], g: int) -> int:
         """Micro-batches per epoch this policy trains: the whole windows under sync and drop_last, else 0 (all)."""
-        if n is None or self.policy not in (Policy.SYNC, Policy.DROP_LAST):
+        if n is None or self.policy not in LIGHTNING.ends_epochs_under:
             return 0
-        if n < g:
-            raise StepSyncConfigError(
-                f"policy '{self.policy.value}' would drop every micro-batch: an epoch has {n} micro-batches, fewer "
-                f"than accumulate_grad_batches={g}, and Lightning never counts an update in it; lower "
-                "accumulate_grad_batches")
-        self._dropped = n % g
-        return n - self._dropped
+        whole = last_whole_window(self.policy, n, g, LIGHTNING.g_setting)
+        self._dropped = n - whole
+        return whole
 
     @guarded(steering=True, needs_run=False)
     def on_train_epoch_start(self, trainer, pl_module) -> None:
@@ -168,7 +164,7 @@ class StepSyncCallback(Callback, Adapter):
         run.after_micro_batch(updated, count)  # no steering reaches Lightning's loop: it is set before the epoch
         if updated and run.observing:
             self._observe("on_train_batch_end", lightning_facts.add_metrics, pl_module, count, run.engine_steps_seen,
-                          run.update_metrics())
+                          run.updates.metrics())
 
     @guarded(steering=True)
     def on_train_epoch_end(self, run: Run, trainer, pl_module) -> None:
@@ -181,10 +177,10 @@ class StepSyncCallback(Callback, Adapter):
         run = self._run
         self._undo_steering()
         steps = lightning_facts.scheduler_steps(trainer)
-        applied = None if run is None else trainer.global_step - run.skipped_seen
+        applied = None if run is None else trainer.global_step - run.updates.skipped_seen
         if run is not None and run.observing and steps is not None and steps != applied:
-            run.note(f"Lightning stepped the LR scheduler {steps} times for its {trainer.global_step} updates"
-                     + (f", of which the engine applied {applied}" if run.skipped_seen else ""))
+            run.voice.note(f"Lightning stepped the LR scheduler {steps} times for its {trainer.global_step} updates"
+                           + (f", of which the engine applied {applied}" if run.updates.skipped_seen else ""))
         close_run(self.report, run, trainer.global_step)
 
     # ----------------------------------------------------------------- logic

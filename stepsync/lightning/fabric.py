@@ -16,7 +16,6 @@ The watch wraps the Fabric instance's ``backward`` and ``no_backward_sync`` and 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 from typing import Any, Optional, Union
@@ -72,7 +71,7 @@ class FabricWatch(LoopAdapter):
         gas = engine.gradient_accumulation_steps()
         stack = LightningStack.installed()
         try:
-            behaviour = dataclasses.replace(lightning_behaviour_of(stack), framework=FABRIC_LOOP)
+            behaviour = FABRIC_LOOP.applied_to(lightning_behaviour_of(stack))
         except UnsupportedVersion as exc:
             self.report = idle_report(FABRIC_LOOP, self.policy, f"{exc}; stepsync cannot check this run",
                                       logging.WARNING)
@@ -81,15 +80,15 @@ class FabricWatch(LoopAdapter):
         warning = None
         if zero12 in (FabricZero12.FAILS, FabricZero12.KEEPS_THE_LAST) and (gas > 1 or zero12 is FabricZero12.FAILS):
             warning = FAILS.format(gas=gas, stage=stage, deepspeed=stack.deepspeed)
-            if self.policy is not Policy.WARN:
+            if self.policy.interferes or self.policy.stops:
                 raise StepSyncConfigError(warning)
-        elif zero12 is FabricZero12.KEEPS_THE_LAST and self.policy is not Policy.SYNC:
+        elif zero12 is FabricZero12.KEEPS_THE_LAST and not self.policy.steers_the_boundary:
             warning = LOSES_GRADIENTS.format(stage=stage)
         run, _ = open_run(RunStart(FABRIC_LOOP, self.policy, engine, behaviour, length_of(dataloader), gas,
                                    self.output, is_main=bool(getattr(self.fabric, "is_global_zero", True)),
                                    action=loop_action_for(self.policy)), self._keep)
         if warning:
-            run.warn(warning)
+            run.voice.warn(warning)
         self._wrap()
 
     def _keep(self, run: Run) -> None:
@@ -145,7 +144,7 @@ class FabricWatch(LoopAdapter):
         self._reported_micro_batch = True
         run.after_micro_batch(True, self.loop_steps)
         if self.loop_steps == 1 and run.engine.global_steps == 0:
-            run.warn(NEVER_STEPPED.format(engine=0, loop=1))
+            run.voice.warn(NEVER_STEPPED.format(engine=0, loop=1))
 
     @guarded(steering=True, needs_run=False)
     def _close(self) -> None:

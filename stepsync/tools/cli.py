@@ -12,8 +12,9 @@ from rich.console import Console
 
 from .._version import __version__
 from ..core.choices import Policy
+from ..core.errors import ConfigInputError, StepSyncError
 from ..core.forecast import forecast
-from ..core.frameworks import LIGHTNING
+from ..core.frameworks import FRAMEWORKS, LIGHTNING, TRAINER, framework_called
 from ..core.install import install_hint
 from ..core.lightning_versions import MEASURED_LIGHTNING, LightningStack, lightning_behaviour_of
 from ..core.plan import RunPlan
@@ -73,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="DeepSpeed's JSON ('auto' resolved as the Trainer does)")
     for package in ("transformers", "accelerate", "deepspeed"):
         check.add_argument(f"--{package}", default=None, help=f"{package} version (default: installed, else newest)")
-    check.add_argument("--framework", choices=("trainer", "lightning"), default="trainer",
-                       help="who counts the updates: transformers' Trainer (default) or PyTorch Lightning")
+    check.add_argument("--framework", choices=[framework.key for framework in FRAMEWORKS], default=TRAINER.key,
+                       help="who counts the updates: transformers' Trainer (default), PyTorch Lightning, an "
+                            "accelerate loop (accumulate()), or a Fabric loop (no_backward_sync)")
     check.add_argument("--lightning", default=None, help="lightning version (default: installed, else the newest "
                                                          "probed), with --framework lightning")
     check.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
@@ -136,8 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_check(args) -> int:
-    if args.lightning and args.framework != "lightning":
-        raise ValueError(f"--lightning {args.lightning} describes a Lightning run: add --framework lightning")
+    framework = framework_called(args.framework)
+    framework.parse_policy(args.policy, as_flag=True)
+    if args.lightning and framework.releases != "lightning":
+        raise ConfigInputError(f"--lightning {args.lightning} describes a Lightning run: add --framework lightning "
+                               "(or fabric)")
     training, deepspeed = None, None
     if args.training_args:
         data = read_json(args.training_args, "--training-args")
@@ -156,16 +161,16 @@ def run_check(args) -> int:
                      "plugin's config file")
     versions = versions_for({p: getattr(args, p) for p in ("transformers", "accelerate", "deepspeed")}, notes)
     faults, certain = weight_faults_of(deepspeed, versions["deepspeed"], inputs.gradient_accumulation_steps,
-                              "engine" if args.framework == "lightning" else "trainer")
+                                       framework.backward_call)
     notes += faults
     stage = args.zero_stage if args.zero_stage is not None else ((deepspeed or {}).get("zero_optimization") or {}).get(
         "stage")
-    if args.framework == "lightning":
-        LIGHTNING.parse_policy(args.policy, as_flag=True)
+    if framework.releases == "lightning":
         behaviour = lightning_behaviour_of(LightningStack(args.lightning or installed_version("lightning")
                                                           or MEASURED_LIGHTNING[-1], versions["deepspeed"]))
     else:
         behaviour = behaviour_of(Stack(**versions))
+    behaviour = framework.applied_to(behaviour)
     plan = RunPlan(inputs.micro_batches_per_epoch, inputs.gradient_accumulation_steps, inputs.num_train_epochs,
                    inputs.max_steps, examples_per_epoch=inputs.samples,
                    zero_stage=stage if isinstance(stage, int) else None)
@@ -191,8 +196,8 @@ def resume_of(folder: str, inputs, behaviour):
     """The shift of resuming checkpoint ``folder`` on ``inputs``' layout (ValueError naming the fix if no record)."""
     record = load_record(folder)
     if record is None or record.layout is None or record.examples is None:
-        raise ValueError(f"{folder!r} holds no stepsync record with the layout it was saved on: pass a checkpoint-N "
-                         "folder saved by a run with StepSyncCallback")
+        raise ConfigInputError(f"{folder!r} holds no stepsync record with the layout it was saved on: pass a "
+                               "checkpoint-N folder saved by a run with StepSyncCallback")
     layout = Layout(inputs.world_size, inputs.batch_size, inputs.gradient_accumulation_steps, record.examples)
     state = read_json(os.path.join(folder, TRAINER_STATE), "the checkpoint's trainer_state.json")
     epochs = state.get("num_train_epochs")
@@ -208,7 +213,7 @@ def run_inspect(args) -> int:
         resumes = [resume_on(item, args.world_size, planned, args.batch_size, args.gas, args.examples)
                    for item in audit.checkpoints]
     elif args.batch_size is not None or args.gas is not None or args.examples is not None:
-        raise ValueError("--batch-size, --gas and --examples describe a resume: give --world-size too")
+        raise ConfigInputError("--batch-size, --gas and --examples describe a resume: give --world-size too")
     if args.json:
         print(json.dumps({**audit.to_dict(), **({"resume_on": [r.to_dict() for r in resumes]} if resumes else {})}))
     else:
@@ -278,7 +283,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"stepsync: error: stepsync demo needs {', '.join(missing)}: {INSTALL_TRAINING}", file=sys.stderr)
             return EXIT_BAD_INPUT
         return run_demo(args)
-    except ValueError as exc:
+    except StepSyncError as exc:  # only stepsync's own: any other error is a bug, shown with its traceback
         print(f"stepsync: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except ImportError as exc:  # run without installing stepsync's own requirements

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..core.errors import ConfigInputError
+from ..core.frameworks import BackwardCall
 from ..core.record import read_json
 from ..core.versions import MEASURED_TRANSFORMERS, NEWEST, installed_version
 from ..core.weights import weight_faults
@@ -187,7 +188,7 @@ OUTPUT_CONDITION = ("where the model's loss is computed from another tensor of i
 
 
 def weight_faults_of(config: Optional[Dict[str, Any]], deepspeed: str, g: int,
-                     call: str = "trainer") -> Tuple[List[str], bool]:
+                     call: BackwardCall = BackwardCall.TRAINER) -> Tuple[List[str], bool]:
     """What the DeepSpeed release does to each micro-batch's weight under ``config`` (its ZeRO stage, offload and
     precision) with backward called as ``call``, as probed, and whether one of them is certain; nothing without a
     config. A fault that needs the model's output is named with that condition (no model is run here) and is not

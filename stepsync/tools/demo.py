@@ -78,7 +78,7 @@ def run_demo(args) -> int:
     logging.getLogger("stepsync").setLevel(logging.ERROR)  # the views below say it; no second copy as log lines
     finals, failed = [], False
     for policy in policies:
-        what = "only watches: the run as it is" if policy is Policy.WARN else "the remedy"
+        what = policy.role
         title = f"policy '{policy.value}' ({what})"
         console.rule(title)
         rows: List[tuple] = []

@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         updates: List[dict] = []
         recorder = _recorder(rows, updates, torch)
         _, _, error = fit_tiny(args.samples, args.gas, args.epochs, args.stage, [recorder, callback])
-        what = "only watches: the run as it is" if policy is Policy.WARN else "the remedy"
+        what = policy.role
         console.rule(f"policy '{policy.value}' ({what})")
         console.print(updates_table(f"policy '{policy.value}'", rows, updates))
         if callback.report.forecast is not None:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
+from ..core.choices import unsupported
 from ..core.errors import StepSyncConfigError
 from ..core.record import load_record
 from ..core.relayout import (
@@ -107,9 +108,9 @@ def resume_settings(checkpoint: Optional[str], world_size: int, per_device_train
     for name, value in (("world_size", world_size), ("per_device_train_batch_size", per_device_train_batch_size),
                         ("gradient_accumulation_steps", gradient_accumulation_steps)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+            raise StepSyncConfigError(f"{name} must be a whole number >= 1, got {value!r}")
     if loop not in ("trainer", "accelerate"):
-        raise ValueError(f"loop={loop!r}: choose 'trainer' or 'accelerate'")
+        raise StepSyncConfigError(unsupported("loop", loop, ("trainer", "accelerate")))
     settings = ResumeSettings(world_size, per_device_train_batch_size, gradient_accumulation_steps)
     if checkpoint is None:
         settings.notes.append("no checkpoint: a fresh start, nothing to resume")
@@ -119,8 +120,9 @@ def resume_settings(checkpoint: Optional[str], world_size: int, per_device_train
                                               gradient_accumulation_steps, examples, settings.notes))
     located = locate(os.fspath(checkpoint))
     if located is None or located.loop or not os.path.isdir(located.path):
-        raise ValueError(f"{os.fspath(checkpoint)!r} holds no Trainer checkpoint: pass a checkpoint-N folder or Ray "
-                         "Train's checkpoint directory (for accelerator.save_state's folders, loop='accelerate')")
+        raise StepSyncConfigError(f"{os.fspath(checkpoint)!r} holds no Trainer checkpoint: pass a checkpoint-N folder "
+                                  "or Ray Train's checkpoint directory (for accelerator.save_state's folders, "
+                                  "loop='accelerate')")
     folder = located.path
     audit = audit_checkpoint(folder, verify_data=False, located=located)
     planned = planned_here()
@@ -164,15 +166,17 @@ def example_shift(folder: str, world_size: int, batch: int, gas: int, examples: 
     """What the run_*_no_trainer.py examples' resume from ``folder`` does on ``world_size`` ranks (None: lands)."""
     kind, _, number = os.path.basename(os.path.normpath(folder)).partition("_")
     if kind not in ("step", "epoch") or not number.isdigit():
-        raise ValueError(f"{folder!r}: pass the step_N or epoch_N folder accelerator.save_state() wrote")
+        raise StepSyncConfigError(f"{folder!r}: pass the step_N or epoch_N folder accelerator.save_state() wrote")
     if kind == "epoch":
         notes.append("an epoch_N checkpoint: the examples start the next epoch whole, on any number of ranks")
         return None
     ranks = {int(m.group(1)) for m in map(RANDOM_STATES.match, os.listdir(folder)) if m}
     if not ranks:
-        raise ValueError(f"{folder!r} holds no random_states_R.pkl: pass a folder accelerator.save_state() wrote")
+        raise StepSyncConfigError(f"{folder!r} holds no random_states_R.pkl: pass a folder accelerator.save_state() "
+                                  "wrote")
     if examples is None:
-        raise ValueError("examples=... (the training set's length) is needed to place an accelerate loop's resume")
+        raise StepSyncConfigError("examples=... (the training set's length) is needed to place an accelerate loop's "
+                                  "resume")
     saved, resumed = Layout(max(ranks) + 1, batch, gas, examples), Layout(world_size, batch, gas, examples)
     step = int(number)
     record = load_record(folder)  # stepsync.watch's: where the run really stood, whatever the name says

@@ -22,6 +22,9 @@ from dataclasses import asdict, dataclass, field
 from importlib.metadata import version
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ..core.choices import unsupported
+from ..core.errors import VerifyInputError
+from ..core.frameworks import FRAMEWORKS, BackwardCall
 from .config import engine_settings
 from .tiny_run import cpu_distributed_env
 
@@ -29,17 +32,11 @@ from .tiny_run import cpu_distributed_env
 LOSS_SCALE = 1e-3
 # How far a measured weight may be from 1/G: bf16 keeps 8 bits of mantissa.
 TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-3}
-# How each framework calls backward on the engine, and its name in words: a plain loop and accelerate's wrapper call
-# engine.backward(loss) (the engine divides by G); the Trainer divides the loss by G and passes scale_wrt_gas=False;
-# Lightning's closure divides the loss by G and the engine divides it again.
-FRAMEWORK_CALLS = {"deepspeed": ("engine", "a plain DeepSpeed loop"), "accelerate": ("engine", "accelerate"),
-                   "trainer": ("trainer", "the Trainer"), "lightning": ("lightning", "Lightning")}
+# How each framework calls backward on the engine (its descriptor's BackwardCall), and its name in words.
+FRAMEWORK_CALLS = {"deepspeed": (BackwardCall.ENGINE, "a plain DeepSpeed loop"),
+                   **{framework.key: (framework.backward_call, framework.name) for framework in FRAMEWORKS}}
 KEYS_REPLACED = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
                  "gradient_accumulation_steps")
-
-
-class VerifyInputError(ValueError):
-    """A config ``stepsync verify`` cannot run; the message says why."""
 
 
 @dataclass
@@ -134,7 +131,7 @@ def _weights(engine) -> List[float]:
         return [float(v) for v in engine.module.w.detach().float()]
 
 
-def _window(engine, g: int, call: str = "engine", nan_at: Optional[int] = None) -> None:
+def _window(engine, g: int, call: BackwardCall = BackwardCall.ENGINE, nan_at: Optional[int] = None) -> None:
     import torch
 
     dtype = next(engine.module.parameters()).dtype
@@ -145,16 +142,16 @@ def _window(engine, g: int, call: str = "engine", nan_at: Optional[int] = None) 
         loss = output["loss"] if isinstance(output, dict) else output
         if k == nan_at:
             loss = loss * float("nan")
-        if call == "trainer":
+        if call is BackwardCall.TRAINER:
             engine.backward(loss / g, scale_wrt_gas=False)
-        elif call == "lightning":
+        elif call is BackwardCall.LIGHTNING:
             engine.backward(loss / g)
         else:
             engine.backward(loss)
         engine.step()
 
 
-def _shares(measured: Dict[str, Any], g: int, outputs: str, call: str):
+def _shares(measured: Dict[str, Any], g: int, outputs: str, call: BackwardCall):
     """One window on a fresh engine: (the engine, each micro-batch's share of the update)."""
     engine = _engine(measured, g, outputs)
     before = _weights(engine)
@@ -162,12 +159,12 @@ def _shares(measured: Dict[str, Any], g: int, outputs: str, call: str):
     return engine, [(b - a) / LOSS_SCALE for b, a in zip(before, _weights(engine))]
 
 
-def measure_window(config: Dict[str, Any], g: int, outputs: str = "loss", call: str = "engine",
+def measure_window(config: Dict[str, Any], g: int, outputs: str = "loss", call: str = BackwardCall.ENGINE,
                    precision: str = "fp32") -> Tuple[List[float], List[int]]:
     """One window of the config on the installed DeepSpeed, for the probes: (each micro-batch's share, the 1-based
     micro-batches whose share is not 1/G)."""
     try:
-        _, weights = _quietly(lambda: _shares(measuring_config(config, g), g, outputs, call))
+        _, weights = _quietly(lambda: _shares(measuring_config(config, g), g, outputs, BackwardCall(call)))
     except VerifyInputError:
         raise
     except Exception as exc:
@@ -181,7 +178,7 @@ def verify(config: Dict[str, Any], g: int, framework: str = "deepspeed") -> Verd
     if g < 1:
         raise VerifyInputError(f"--gas {g}: must be >= 1")
     if framework not in FRAMEWORK_CALLS:
-        raise VerifyInputError(f"--framework {framework!r}: choose one of {', '.join(FRAMEWORK_CALLS)}")
+        raise VerifyInputError(unsupported("--framework", framework, FRAMEWORK_CALLS))
     measured = measuring_config(config, g)
     stage, offload, precision = engine_settings(measured)
     verdict = Verdict(version("deepspeed"), stage if stage is not None else 0, offload, precision, g, framework)
@@ -219,7 +216,7 @@ def _quietly(measure: Callable[[], Any]) -> Any:
         quiet.setLevel(level)
 
 
-def _measure(verdict: Verdict, measured: Dict[str, Any], g: int, call: str) -> None:
+def _measure(verdict: Verdict, measured: Dict[str, Any], g: int, call: BackwardCall) -> None:
     _, verdict.weights_with_logits = _shares(measured, g, "loss+logits", call)
     engine, verdict.weights = _shares(measured, g, "loss", call)
     clip = engine.gradient_clipping()

@@ -179,11 +179,12 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
         if verdict is StartVerdict.RESUMED_APART:
             self._switch_off(reason)
             raise StepSyncConfigError(f"{reason}; stepsync stops every rank before the first micro-batch")
-        if self.policy is Policy.RAISE:
+        if self.policy.stops:
             if failure is not None:
                 self._switch_off(reason, exc_info=failure)
                 raise failure
-            raise StepSyncConfigError(f"{reason}; policy 'raise' stops every rank before the first micro-batch")
+            raise StepSyncConfigError(f"{reason}; policy '{self.policy.value}' stops every rank before the first "
+                                      "micro-batch")
         # Every rank takes the Trainer's own start back: none of them steers.
         trainer_facts.set_global_step(self._trainer, state, before[0])
         state.max_steps = before[1]
@@ -207,7 +208,7 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
         if run is None or logs is None or not run.observing:
             return None
         try:  # guarded here, not by guarded(): one call less
-            extra = {**(self._extra_metrics or {}), **run.update_metrics()}
+            extra = {**(self._extra_metrics or {}), **run.updates.metrics()}
             trainer_facts.add_metrics(state, logs, run.engine_steps_seen, extra)
         except Exception as exc:
             return self._failed("on_log", exc, False)
@@ -216,7 +217,7 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
     @guarded(steering=False)
     def on_save(self, run: Run, args, state, control, **kwargs):
         if getattr(args, "should_save", state.is_world_process_zero):
-            trainer_facts.save_the_record(run, args, state, STORED_BY_TRAINER, self.policy is Policy.RAISE)
+            trainer_facts.save_the_record(run, args, state, STORED_BY_TRAINER, self.policy.stops)
 
     def state(self) -> dict:
         """``ExportableState`` (transformers >= 4.41): the record the Trainer saves in ``trainer_state.json``."""

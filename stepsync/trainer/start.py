@@ -65,7 +65,7 @@ def start_run(trainer: Any, args: Any, state: Any, engine: Any, train_dataloader
     def built(run: Run) -> None:
         keep(run)
         if layout_unknown:
-            run.note(f"{layout_unknown}: a resume on another layout cannot be told")
+            run.voice.note(f"{layout_unknown}: a resume on another layout cannot be told")
         serve_a_generation_buffer(args, run, policy)
 
     run, steering = open_run(RunStart(
@@ -88,7 +88,7 @@ def serve_a_generation_buffer(args: Any, run: Run, policy: Policy) -> None:
         return
     fix = f"set steps_per_generation to a multiple of gradient_accumulation_steps={run.g} (it is {per_generation})"
     run.remedy = f"{run.remedy}; or {fix}"
-    if policy is Policy.DROP_LAST:
+    if policy.ends_epochs_early:
         raise StepSyncConfigError(
             f"policy 'drop_last' cannot drop the right micro-batches here: this Trainer serves them from a "
             f"generation buffer of steps_per_generation={per_generation}, so ending an epoch early shifts the "

@@ -10,7 +10,6 @@ import sys
 from types import FrameType
 from typing import Any, List, Optional, Tuple
 
-from ..core.choices import Policy
 from ..core.frameworks import TRAINER
 from ..core.record import ResumeRecord, load_record, record_in_trainer_state, save_record
 from ..core.relayout import Layout
@@ -32,14 +31,10 @@ def _calling_frames(depth: int):
         frame = frame.f_back
 
 
-# Which instance acts when a Trainer holds several: a remedy over 'raise' over 'warn', then the first.
-_PRECEDENCE = {Policy.WARN: 0, Policy.RAISE: 1, Policy.SYNC: 2, Policy.REALIGN: 2, Policy.DROP_LAST: 2}
-
-
 def elect(trainer: Any, callback_class: type) -> Any:
     """The one ``callback_class`` instance that acts for ``trainer``."""
     ours: List[Any] = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, callback_class)]
-    return max(ours, key=lambda cb: _PRECEDENCE[cb.policy])
+    return max(ours, key=lambda cb: cb.policy.precedence)  # max() keeps the first of equals
 
 
 def find_trainer(callback: Any) -> Optional[Any]:
@@ -233,7 +228,7 @@ def save_the_record(run: Run, args: Any, state: Any, stored_by_trainer: bool, mu
     record = record_of(run)
     folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
     if not os.path.isdir(folder):
-        return run.note(f"no checkpoint folder {folder}: stepsync's record was not saved with it")
+        return run.voice.note(f"no checkpoint folder {folder}: stepsync's record was not saved with it")
     try:
         save_record(folder, record, not stored_by_trainer, lambda: dataclasses.asdict(state))
     except OSError as exc:  # this checkpoint lacks the record; the run and its steering go on
@@ -243,8 +238,8 @@ def save_the_record(run: Run, args: Any, state: Any, stored_by_trainer: bool, mu
         if record.resume_steps not in (None, record.trainer_steps):
             lost.append(f"its trainer_state.json keeps global_step {record.trainer_steps}, so a resume from it "
                         f"does not land at epoch {record.next_epoch + 1}, micro-batch {record.next_skip}")
-        return run.error(f"could not write stepsync's record into {folder} ({exc}); "
-                         f"{'; '.join(lost) or 'a resume from it loses nothing'}; training goes on")
+        return run.voice.error(f"could not write stepsync's record into {folder} ({exc}); "
+                               f"{'; '.join(lost) or 'a resume from it loses nothing'}; training goes on")
     if record.resume_steps is None:
-        run.note(f"{folder}: no global_step makes the Trainer resume at epoch {record.next_epoch + 1}, "
-                 f"micro-batch {record.next_skip}; a resume from it repeats or skips micro-batches")
+        run.voice.note(f"{folder}: no global_step makes the Trainer resume at epoch {record.next_epoch + 1}, "
+                       f"micro-batch {record.next_skip}; a resume from it repeats or skips micro-batches")

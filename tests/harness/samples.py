@@ -1,4 +1,4 @@
-"""What a resumed run really trained, from the samples every rank recorded (tests/multiprocess/relayout_runs.py's
+"""What a resumed run really trained, from the samples every rank recorded (tests/entry/relayout_runs.py's
 recording Trainer), never from stepsync."""
 
 

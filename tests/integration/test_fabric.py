@@ -136,3 +136,16 @@ def test_sync_reports_the_update_the_engine_skipped():
     report = run.watch.report
     assert [(s.epoch, s.micro_batch, s.engine_steps) for s in report.skipped_updates] == [(1, 4, 2)]
     assert len(run.updates) == 1  # the weights moved at the first update only
+
+
+@pytest.mark.parametrize("n, g, epochs", [(3, 2, 2), (5, 2, 3), (7, 3, 2)])
+@pytest.mark.parametrize("policy", ["warn", "sync"])
+def test_check_forecasts_what_a_real_fabric_loop_counts(n, g, epochs, policy):
+    """`stepsync check --framework fabric`, before any training, against the loop's own record of its
+    optimizer.step() count and the engine's at each epoch's end (warn changes nothing: tested above)."""
+    from harness.cli import forecast_epochs
+
+    run = run_fabric(n, g, epochs, 0, policy)
+    assert run.error is None, repr(run.error)
+    ends = [(loop, engine) for epoch, index, loop, engine in run.batches if index == n - 1]
+    assert forecast_epochs("fabric", n, g, epochs, policy) == ends

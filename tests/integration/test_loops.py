@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from harness.stack import DRIFTS, needs_stack
+from harness.paths import entry_script
 
 pytestmark = [needs_stack, pytest.mark.integration]
 
@@ -150,7 +151,7 @@ def test_watch_before_prepare_names_the_fix():
         stepsync.watch(accelerator, "sync")
 
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "loop_param_run.py")
+SCRIPT = entry_script("loop_param_run.py")
 
 
 def parameters_on(python, out, policy):
@@ -176,3 +177,16 @@ def test_sync_on_a_drifting_stack_trains_what_the_aligned_stack_trains(tmp_path)
     plain = parameters_on(sys.executable, tmp_path / "plain.pt", "none")
     assert (synced - reference).abs().max().item() <= 1e-6  # see test_numerics.TOLERANCE
     assert (plain - reference).abs().max().item() > 1e-3  # without the fix the windows, and so the weights, differ
+
+
+@pytest.mark.parametrize("samples, gas, epochs", [(5, 2, 2), (7, 3, 2), (3, 4, 2)])
+@pytest.mark.parametrize("policy", [None, "sync"])
+def test_check_forecasts_what_a_real_loop_counts(samples, gas, epochs, policy):
+    """`stepsync check --framework accelerate`, before any training, against the loop's own record of both counts
+    at each epoch's end (without stepsync, and under sync)."""
+    from harness.cli import forecast_epochs
+    from harness.loops import run_loop
+
+    run = run_loop(samples, gas, epochs, policy)
+    assert run.error is None, repr(run.error)
+    assert forecast_epochs("accelerate", samples, gas, epochs, policy or "warn") == run.epoch_ends

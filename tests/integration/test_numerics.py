@@ -11,10 +11,11 @@ import sys
 import pytest
 
 from harness.stack import DRIFTS, needs_stack
+from harness.paths import entry_script
 
 pytestmark = [needs_stack, pytest.mark.integration]
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "param_run.py")
+SCRIPT = entry_script("param_run.py")
 # Both runs do the same fp32 operations in the same order on one CPU thread; measured difference: exactly 0.
 # The bound leaves room for one float32 rounding step on parameters of magnitude ~1 (eps 1.2e-7).
 TOLERANCE = 1e-6

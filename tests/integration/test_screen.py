@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from harness.stack import DRIFTS, needs_stack
+from harness.paths import entry_script
 
 pytestmark = [needs_stack, pytest.mark.integration]
 
@@ -17,7 +18,7 @@ def on_a_terminal(setup: str) -> str:
     from harness.runs import child_env
 
     leader, follower = pty.openpty()
-    script = os.path.join(os.path.dirname(__file__), "screen_run.py")
+    script = entry_script("screen_run.py")
     env = child_env(dict(os.environ, COLUMNS="400", LINES="50", TERM="xterm"))
     proc = subprocess.Popen([sys.executable, script, setup], stdin=subprocess.DEVNULL, stdout=follower,
                             stderr=follower, env=env)

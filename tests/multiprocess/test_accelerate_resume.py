@@ -11,9 +11,10 @@ import stepsync
 from harness.runs import torchrun_phase
 from harness.samples import skipped_and_repeated
 from harness.stack import STACK, needs_stack
+from harness.paths import entry_script
 
 pytestmark = [needs_stack, pytest.mark.skipif(STACK not in ("", "drifting"), reason="run on the drifting stack")]
-SCRIPT = os.path.join(os.path.dirname(__file__), "accelerate_resume_runs.py")
+SCRIPT = entry_script("accelerate_resume_runs.py")
 EPOCHS = 3
 
 

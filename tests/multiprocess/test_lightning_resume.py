@@ -10,9 +10,10 @@ import pytest
 from harness.runs import torchrun_phase
 from harness.samples import said, skipped_and_repeated
 from harness.stack import STACK
+from harness.paths import entry_script
 
 pytestmark = pytest.mark.skipif(STACK not in ("", "lightning"), reason="run on the newest Lightning stack")
-SCRIPT = os.path.join(os.path.dirname(__file__), "lightning_resume_runs.py")
+SCRIPT = entry_script("lightning_resume_runs.py")
 SAMPLES, G, EPOCHS = 12, 2, 3
 
 

@@ -8,11 +8,12 @@ import pytest
 pytest.importorskip("lightning")
 
 from harness.runs import two_ranks  # noqa: E402
+from harness.paths import entry_script
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    script = os.path.join(os.path.dirname(__file__), "lightning_ranks.py")
+    script = entry_script("lightning_ranks.py")
     return two_ranks(script, tmp_path_factory.mktemp("lightning-ranks"), what="two-process Lightning run")[:2]
 
 

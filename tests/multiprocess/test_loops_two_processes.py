@@ -11,6 +11,7 @@ import os
 import pytest
 
 from harness.stack import STACK, needs_stack
+from harness.paths import entry_script
 
 pytestmark = [needs_stack, pytest.mark.integration, pytest.mark.twoproc]
 
@@ -20,7 +21,7 @@ TWO_RANK_LOOPS = {"t446": (4, 3), "t457f": (4, 4)}  # loop / engine updates: 6 m
 def torchrun(tmp_path, *policies):
     from harness.runs import two_ranks
 
-    script = os.path.join(os.path.dirname(__file__), "twoproc_loops.py")
+    script = entry_script("twoproc_loops.py")
     return two_ranks(script, tmp_path, *policies, what="two-process loop")[:2]
 
 

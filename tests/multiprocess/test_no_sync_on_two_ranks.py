@@ -9,6 +9,7 @@ from importlib.metadata import version
 import pytest
 
 from harness.stack import needs_stack
+from harness.paths import entry_script
 
 pytestmark = [needs_stack, pytest.mark.integration, pytest.mark.twoproc]
 G = 3
@@ -18,7 +19,7 @@ G = 3
 def ranks(tmp_path_factory):
     from harness.runs import two_ranks
 
-    script = os.path.join(os.path.dirname(__file__), "no_sync_ranks.py")
+    script = entry_script("no_sync_ranks.py")
     return two_ranks(script, tmp_path_factory.mktemp("no_sync"))[:2]
 
 

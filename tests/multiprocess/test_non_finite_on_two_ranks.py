@@ -6,6 +6,7 @@ import os
 import pytest
 
 from harness.stack import needs_stack
+from harness.paths import entry_script
 
 pytestmark = [needs_stack, pytest.mark.integration, pytest.mark.twoproc]
 
@@ -19,7 +20,7 @@ def ranks(tmp_path_factory):
                     "(tests/multiprocess/test_skips_on_two_ranks.py covers the skip)")
     from harness.runs import two_ranks
 
-    script = os.path.join(os.path.dirname(__file__), "nonfinite_ranks.py")
+    script = entry_script("nonfinite_ranks.py")
     return two_ranks(script, tmp_path_factory.mktemp("nonfinite"))[:2]
 
 

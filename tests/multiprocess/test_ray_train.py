@@ -16,11 +16,12 @@ from harness.cli import stepsync
 from harness.runs import child_env
 from harness.samples import said, skipped_and_repeated
 from harness.stack import STACK, needs_stack
+from harness.paths import entry_script
 
 # Ray's train extra is installed on one stack (tests/harness/matrix.py), where it must run: about 2 minutes there.
 pytestmark = [needs_stack, pytest.mark.skipif(STACK not in ("", "aligned"), reason="ray[train] is on the aligned stack"),
               pytest.mark.skipif(STACK == "" and importlib.util.find_spec("ray") is None, reason="needs ray[train]")]
-SCRIPT = os.path.join(os.path.dirname(__file__), "ray_runs.py")
+SCRIPT = entry_script("ray_runs.py")
 STOP_AT = 4  # saved on 2 workers: 6 samples each, G=4, 2 updates per epoch; checkpoint 4 ends epoch 2
 
 

@@ -11,10 +11,11 @@ import pytest
 from harness.runs import child_env, torchrun_phase
 from harness.samples import said, skipped_and_repeated
 from harness.stack import STACK, needs_stack
+from harness.paths import entry_script
 
 # The Trainer's resume arithmetic is transformers' alone: one 5.24 stack runs these (about 5 minutes of torchrun).
 pytestmark = [needs_stack, pytest.mark.skipif(STACK not in ("", "drifting"), reason="run on the drifting stack")]
-SCRIPT = os.path.join(os.path.dirname(__file__), "relayout_runs.py")
+SCRIPT = entry_script("relayout_runs.py")
 
 
 def launch(out, name, world, samples, gas, epochs, policy="warn", checkpoint=None, stage=0, universal=False,

@@ -6,6 +6,7 @@ import pytest
 from packaging.version import Version
 
 from harness.stack import needs_stack
+from harness.paths import entry_script
 
 pytestmark = [needs_stack, pytest.mark.integration, pytest.mark.twoproc]
 
@@ -18,7 +19,7 @@ def ranks(tmp_path_factory):
         pytest.skip("this DeepSpeed does not check bf16 gradients for overflow on ZeRO 1-3")
     from harness.runs import two_ranks
 
-    script = os.path.join(os.path.dirname(__file__), "skip_ranks.py")
+    script = entry_script("skip_ranks.py")
     return two_ranks(script, tmp_path_factory.mktemp("skips"))[:2]
 
 

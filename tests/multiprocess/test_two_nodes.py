@@ -11,10 +11,11 @@ import sys
 import pytest
 
 from harness.stack import DRIFTS, needs_stack
+from harness.paths import entry_script
 
 pytestmark = [needs_stack, pytest.mark.integration, pytest.mark.twoproc]
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "twonode_runs.py")
+SCRIPT = entry_script("twonode_runs.py")
 TWO_NODE_CASES = ["warn-shared", "sync-shared-each-node", "sync-node-dirs", "realign-shared-each-node",
                   "raise-shared", "realign-fault-node1", "drop_last-fault-node1"]
 ONE_NODE_CASES = ["realign-fault-rank0", "drop_last-fault-rank0"]

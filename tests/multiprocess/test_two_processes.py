@@ -4,6 +4,7 @@ import os
 import pytest
 
 from harness.stack import DRIFTS, needs_stack
+from harness.paths import entry_script
 
 pytestmark = [
     needs_stack, pytest.mark.integration, pytest.mark.twoproc,
@@ -14,7 +15,7 @@ pytestmark = [
 def two_ranks(tmp_path_factory):
     from harness.runs import two_ranks
 
-    script = os.path.join(os.path.dirname(__file__), "twoproc_runs.py")
+    script = entry_script("twoproc_runs.py")
     *ranks, output = two_ranks(script, tmp_path_factory.mktemp("ranks"))
     return ranks, output
 

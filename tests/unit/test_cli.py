@@ -155,6 +155,7 @@ def test_bad_files_exit_2_naming_the_fix(tmp_path, args_json, ds_json, fix):
     assert fix in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.installed
 def test_python_m_and_the_console_script_are_the_same():
     import shutil
 
@@ -250,3 +251,23 @@ def test_a_lightning_version_without_the_lightning_framework_is_refused():
 def test_the_lightning_demo_refuses_a_policy_lightning_cannot_have():
     proc = stepsync("demo", "--framework", "lightning", "--policy", "realign")
     assert proc.returncode == 2 and "use --policy sync or --policy drop_last" in proc.stderr
+
+
+def test_only_stepsyncs_own_errors_are_bad_input(monkeypatch, tmp_path, capsys):
+    """Exit 2 with one line is for what the user can fix (a StepSyncError); any other error is a bug, shown as one."""
+    from stepsync.core.errors import AuditInputError
+    from stepsync.tools import cli
+
+    def bug(args):
+        raise ValueError("a bug inside stepsync")
+
+    monkeypatch.setattr(cli, "run_inspect", bug)
+    with pytest.raises(ValueError, match="a bug inside stepsync"):
+        cli.main(["inspect", str(tmp_path)])
+
+    def refused(args):
+        raise AuditInputError("not an output folder: pass the one the Trainer wrote")
+
+    monkeypatch.setattr(cli, "run_inspect", refused)
+    assert cli.main(["inspect", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == "stepsync: error: not an output folder: pass the one the Trainer wrote"

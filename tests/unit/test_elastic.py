@@ -136,5 +136,5 @@ def test_an_accelerate_loop_resumed_as_the_examples_resume(tmp_path):
         stepsync.resume_settings(str(one), 2, 1, 4, loop="accelerate")
     with pytest.raises(ValueError, match="pass the step_N or epoch_N folder"):
         stepsync.resume_settings(str(tmp_path), 2, 1, 4, examples=12, loop="accelerate")
-    with pytest.raises(ValueError, match="loop='lightning': choose 'trainer' or 'accelerate'"):
+    with pytest.raises(ValueError, match="Unsupported loop 'lightning'. Possible choices are: 'trainer', 'accelerate'"):
         stepsync.resume_settings(str(one), 2, 1, 4, loop="lightning")

@@ -255,6 +255,7 @@ def test_a_huge_number_of_epochs_is_summarised_not_printed_whole():
     assert len(data["epochs"]) == 100000
 
 
+@pytest.mark.installed
 def test_a_script_beside_the_clone_imports_the_installed_package(tmp_path):
     """The README's clone line leaves a folder beside the user's script: named stepsync, it would shadow the installed
     package (`cannot import name 'StepSyncCallback' from 'stepsync' (unknown location)`)."""

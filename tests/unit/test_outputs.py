@@ -2,7 +2,9 @@
 forward says under each policy, and the repair: the gradient at each extra-divided tensor multiplied by G, as a
 hook dividing it by G (DeepSpeed's, 0.18.3-0.19.5) would need."""
 import pytest
-import torch
+
+pytestmark = pytest.mark.torch
+torch = pytest.importorskip("torch", reason="autograd hooks need torch: the training stack's test run has it")
 
 from stepsync.core.choices import Policy
 from stepsync.core.errors import StepSyncConfigError
@@ -48,7 +50,9 @@ class FakeRun:
     def __init__(self, engine, policy):
         self.engine = engine
         self.report = SyncReport(policy)
+        self.policy = policy
         self.said = []
+        self.voice = self
 
     def note(self, text):
         self.said.append(("note", text))

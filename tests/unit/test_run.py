@@ -8,7 +8,6 @@ The real Trainer and DeepSpeed are exercised by tests/integration; these pin the
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from stepsync.core.choices import Policy
 from stepsync.core.errors import (NonFiniteUpdateError, StepDriftError, StepSyncConfigError, StepSyncError,
@@ -24,6 +23,40 @@ from stepsync.engine.policies import RealignAction, Steering, loop_action_for
 
 DRIFTING = Stack("5.24.0", "1.7.0", "0.19.8")
 ALIGNED = Stack("5.24.0", "1.16.0", "0.19.8")
+
+
+class Weights:
+    """What stepsync reads of a weight tensor or parameter (``numel``, ``detach().sum()``), over plain floats: the
+    fast loop runs without torch."""
+
+    def __init__(self, size):
+        self.values = [0.0] * size
+
+    def numel(self):
+        return len(self.values)
+
+    def detach(self):
+        return self
+
+    @property
+    def data(self):
+        return self
+
+    def sum(self):
+        return sum(self.values)
+
+    def __setitem__(self, index, value):
+        self.values[index] = value
+
+
+class Module:
+    """A module whose parameters are read one by one (ZeRO-3, or no flat buffer)."""
+
+    def __init__(self, *sizes):
+        self.weights = [Weights(size) for size in sizes]
+
+    def parameters(self):
+        return iter(self.weights)
 
 
 class FakeEngine:
@@ -46,11 +79,11 @@ class FakeEngine:
         if scale is not None:  # fp16's dynamic scaler: (now, minimum, window)
             self.optimizer.loss_scaler = SimpleNamespace(cur_scale=scale[0], min_scale=scale[1], scale_window=scale[2])
         self._nan_at = nan_at  # the update (1-based) that leaves the weights not finite
-        self._weights = torch.zeros(3)
+        self._weights = Weights(3)
         if flat:  # ZeRO 1-2 keep every weight in a flat buffer
             self.optimizer.bit16_groups_flat = [self._weights]
         else:
-            self.module = torch.nn.Linear(3, 1)
+            self.module = Module(3, 1)
 
     def gradient_accumulation_steps(self):
         return self._g
@@ -70,7 +103,7 @@ class FakeEngine:
             scaler.cur_scale = max(scaler.cur_scale / 2, scaler.min_scale)
         if boundary and self.global_steps == self._nan_at:
             self._weights[1] = float("nan")
-            for param in getattr(self, "module", torch.nn.Linear(1, 1)).parameters():
+            for param in getattr(self, "module", Module(1, 1)).parameters():
                 param.data[0] = float("nan")
         self.micro_steps += 1
 
@@ -197,7 +230,7 @@ def test_a_fault_while_observing_ends_only_the_observing():
     def broken(*args):
         raise OSError("disk full")
 
-    run._observe(broken)
+    run.observe(broken)
     assert not run.observing and run.report.policy is Policy.REALIGN and "still acts" in run.report.inactive_reason
 
 
@@ -313,7 +346,7 @@ def test_the_update_that_leaves_the_weights_not_finite_is_named_once(flat):
     assert (found.epoch, found.micro_batch, found.engine_steps, found.each_update) == (
         (1, 4, 2, True) if flat else (1, 8, 4, False))
     assert sum("left weights that are not finite" in note for note in run.report.notes) == 1
-    assert run.update_metrics() == {"stepsync/non_finite_at_update": found.engine_steps}
+    assert run.updates.metrics() == {"stepsync/non_finite_at_update": found.engine_steps}
     assert run.report.to_dict()["non_finite"]["engine_steps"] == found.engine_steps
     assert f"made 4 (weights not finite {'from' if flat else 'by'} update {found.engine_steps})" in str(run.report)
     engine = FakeEngine(2, nan_at=2, flat=flat)
@@ -341,7 +374,7 @@ def test_the_weights_are_not_read_where_the_engine_checks_its_gradients():
     assert '"check_grad_overflow": true' in read(bf16).unchecked_gradients
     assert "fp32" in facts()
     run, _, _ = drive("warn", 4, 2, 1, engine=FakeEngine(2, fp16=True))
-    assert run.weights is None
+    assert run.updates.weights is None
 
 
 @pytest.mark.parametrize("policy", ["warn", "raise"])

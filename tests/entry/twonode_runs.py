@@ -1,6 +1,6 @@
 """Run under torchrun (two nodes of one process, or one node of two): real runs, each rank writes what it saw.
 
-    python -m torch.distributed.run ... tests/multiprocess/twonode_runs.py OUT CASE [CASE ...]
+    python -m torch.distributed.run ... tests/entry/twonode_runs.py OUT CASE [CASE ...]
 
 Each case trains the tiny model on 6 samples (3 micro-batches per rank, G=2: a partial window at every epoch
 end), saving every 2 updates. A case's output dir is shared (OUT/CASE/shared) or one per node

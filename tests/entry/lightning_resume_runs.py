@@ -2,7 +2,7 @@
 own DistributedSampler shards the data; each rank writes OUT/NAME-R.json with (epoch, Lightning's global_step before
 it, [sample]) and the batch_idx of every batch it trained, recorded beside stepsync. A checkpoint is saved after every update.
 
-    python -m torch.distributed.run --nproc_per_node W tests/multiprocess/lightning_resume_runs.py OUT NAME SAMPLES G
+    python -m torch.distributed.run --nproc_per_node W tests/entry/lightning_resume_runs.py OUT NAME SAMPLES G
         EPOCHS POLICY [CKPT]
 """
 import json

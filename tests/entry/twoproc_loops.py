@@ -1,6 +1,6 @@
 """Run under `torchrun --nproc_per_node 2`: custom accelerate loops; each rank writes what it saw to OUT/rank-R.json.
 
-Usage: python -m torch.distributed.run --nproc_per_node 2 tests/multiprocess/twoproc_loops.py OUT [none|warn|sync|raise ...]
+Usage: python -m torch.distributed.run --nproc_per_node 2 tests/entry/twoproc_loops.py OUT [none|warn|sync|raise ...]
 """
 import os
 import sys

@@ -2,7 +2,7 @@
 RayTrainReportCallback and prepare_trainer): each worker writes OUT/NAME-R.json with the sample index of every
 micro-batch it trained (recorded by the Trainer's own training_step, not by stepsync) and stepsync's report.
 
-    python tests/multiprocess/ray_runs.py OUT NAME STORAGE WORKERS G POLICY [STOP_AT] [--settings]
+    python tests/entry/ray_runs.py OUT NAME STORAGE WORKERS G POLICY [STOP_AT] [--settings]
 
 A job in STORAGE that saved before resumes from its latest checkpoint, as Ray restores a run. STOP_AT: the job fails
 after that many updates (the fault a restart follows); --settings: the training function builds its TrainingArguments

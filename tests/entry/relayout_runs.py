@@ -2,7 +2,7 @@
 with the sample index of every micro-batch it trained (recorded by the Trainer's own training_step, not by
 stepsync), the Trainer's count before it, and stepsync's report.
 
-    python -m torch.distributed.run --nproc_per_node W tests/multiprocess/relayout_runs.py OUT NAME SAMPLES G EPOCHS
+    python -m torch.distributed.run --nproc_per_node W tests/entry/relayout_runs.py OUT NAME SAMPLES G EPOCHS
         POLICY [CHECKPOINT]
 
 STEPSYNC_ZERO_STAGE (default 0) sets the ZeRO stage ("none": without DeepSpeed, DDP on gloo); STEPSYNC_LOAD_UNIVERSAL=1 resumes from DeepSpeed's universal

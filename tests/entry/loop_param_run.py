@@ -1,6 +1,6 @@
 """Train the tiny model with a custom accelerate loop (5 samples, G=2, 2 epochs, ZeRO-0) and save its parameters.
 
-Usage: python tests/integration/loop_param_run.py sync|none OUT.pt   (run by test_loops.py, also with another stack's python)
+Usage: python tests/entry/loop_param_run.py sync|none OUT.pt   (run by test_loops.py, also with another stack's python)
 """
 import os
 import sys

@@ -1,6 +1,6 @@
 """Train the tiny model once (5 samples, G=2, 3 epochs, ZeRO-0, fp32) and save its parameters.
 
-Usage: python tests/integration/param_run.py sync|none OUT.pt  (run by test_numerics.py, also with another stack's python)
+Usage: python tests/entry/param_run.py sync|none OUT.pt  (run by test_numerics.py, also with another stack's python)
 """
 import os
 import sys

@@ -1,6 +1,6 @@
 """A tiny real run whose stdout and stderr are one terminal, with the logging that users set up.
 
-    python tests/integration/screen_run.py SETUP     SETUP: none | stdout (transformers' example scripts) | rich (RichHandler)
+    python tests/entry/screen_run.py SETUP     SETUP: none | stdout (transformers' example scripts) | rich (RichHandler)
 """
 import logging
 import os

@@ -3,7 +3,7 @@ as one process): accumulate(), a completed_steps counter, save_state("step_N") a
 their arithmetic (``resume_step = N * G`` micro-batches, whole epochs first, then ``skip_first_batches``). Each rank
 writes OUT/NAME-R.json with (epoch, completed_steps before it, [sample]) for every micro-batch it trained.
 
-    python -m torch.distributed.run --nproc_per_node W tests/multiprocess/accelerate_resume_runs.py OUT NAME SAMPLES
+    python -m torch.distributed.run --nproc_per_node W tests/entry/accelerate_resume_runs.py OUT NAME SAMPLES
         G EPOCHS [CHECKPOINT]
 """
 import json
