@@ -14,18 +14,19 @@ from .errors import UnsupportedVersion
 from .frameworks import LIGHTNING
 from .versions import (
     DEEPSPEED_FEATURES,
+    MEASURED_LIGHTNING,
     NEWEST,
     EngineBoundary,
     PlannedSteps,
     ReleaseRow,
     StackBehaviour,
     TrainerRule,
+    assumed_release,
     installed_version,
     parse_version,
 )
 
 OLDEST_LIGHTNING = "2.0.0"
-MEASURED_LIGHTNING = ("2.0.9", "2.2.5", "2.4.0", "2.6.6")
 
 LIGHTNING_ROWS = (
     ReleaseRow("lightning", "2.0.0", None, TrainerRule.WHOLE_WINDOWS,
@@ -84,9 +85,11 @@ class LightningStack:
 
     @classmethod
     def installed(cls) -> LightningStack:
-        """The installed versions (``lightning``, else ``pytorch-lightning``); a missing one counts as newest."""
+        """The installed versions (``lightning``, else ``pytorch-lightning``); a missing one counts as
+        :func:`~stepsync.core.versions.assumed_release` says."""
         found = installed_version("lightning") or installed_version("pytorch-lightning")
-        return cls(found or NEWEST, installed_version("deepspeed") or NEWEST)
+        deepspeed = installed_version("deepspeed") or assumed_release("deepspeed")
+        return cls(found or assumed_release("lightning"), deepspeed)
 
     def __post_init__(self) -> None:
         parse_version(self.lightning)

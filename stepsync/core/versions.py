@@ -97,6 +97,7 @@ DEEPSPEED_FEATURES = (
 )
 
 # Every transformers release the Trainer probe ran on (probes/results.json): only these are "measured".
+MEASURED_LIGHTNING = ("2.0.9", "2.2.5", "2.4.0", "2.6.6")  # stepsync.core.lightning_versions reads them
 MEASURED_TRANSFORMERS = (
     "4.24.0", "4.25.1", "4.26.1", "4.27.0", "4.27.1", "4.27.2", "4.27.3", "4.27.4", "4.28.1", "4.29.2", "4.30.2",
     "4.31.0", "4.32.1", "4.33.3", "4.34.1", "4.35.2", "4.36.2", "4.37.2", "4.38.2", "4.39.3", "4.40.2", "4.41.2",
@@ -113,6 +114,13 @@ def _lookup(rows, package: str, version: str) -> Optional[ReleaseRow]:
 
 
 @functools.lru_cache(maxsize=None)
+def assumed_release(package: str) -> str:
+    """What stepsync takes a package that is neither installed nor given to be: the newest release probed of the
+    frameworks whose counting the probes measure (transformers, Lightning), the newest release of anything else."""
+    measured = {"transformers": MEASURED_TRANSFORMERS, "lightning": MEASURED_LIGHTNING}.get(package)
+    return measured[-1] if measured else NEWEST
+
+
 def installed_version(package: str) -> Optional[str]:
     """The installed version of ``package`` from its metadata, or None; never imports it. Read once per process:
     a release installed while a process runs is not the one it imported."""
@@ -132,8 +140,9 @@ class Stack:
 
     @classmethod
     def installed(cls) -> Stack:
-        """The installed versions; a package that is not installed counts as its newest release."""
-        return cls(*(installed_version(name) or NEWEST for name in ("transformers", "accelerate", "deepspeed")))
+        """The installed versions; a package that is not installed counts as :func:`assumed_release` says."""
+        return cls(*(installed_version(name) or assumed_release(name)
+                     for name in ("transformers", "accelerate", "deepspeed")))
 
     def __post_init__(self) -> None:
         for name in ("transformers", "accelerate", "deepspeed"):

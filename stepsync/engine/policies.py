@@ -116,8 +116,13 @@ class SyncAction(PolicyAction):
             return
         position = run.position + 1
         if position > self.next_update:  # a new window: find where it ends
-            found = rules.next_trainer_boundary(run.behaviour.trainer_rule, position, self.n, run.g, run.t_before_epoch)
-            self.next_update = self.n + 1 if found is None else found
+            following = self.next_update + run.g
+            if self.next_update and following <= self.n:  # a boundary before the epoch's end is G after the last
+                self.next_update = following
+            else:
+                found = rules.next_trainer_boundary(run.behaviour.trainer_rule, position, self.n, run.g,
+                                                    run.t_before_epoch)
+                self.next_update = self.n + 1 if found is None else found
         self.expected = expected = position == self.next_update
         override.set(expected)
 

@@ -156,10 +156,12 @@ class Run:
             self.engine_at_last_update = engine_steps
         steering = None
         if steers > AT_DRIFT or (steers and trainer_steps != engine_steps):
-            steering = self._took(self.action.after_micro_batch(self, trainer_updated, engine_updated, trainer_steps))
-            if steering is not None and steering.trainer_steps is not None:
-                trainer_steps = steering.trainer_steps
-                self._adopted(trainer_steps)
+            steering = self.action.after_micro_batch(self, trainer_updated, engine_updated, trainer_steps)
+            if steering is not None:  # rare: the hot path makes no call for it
+                self._took(steering)
+                if steering.trainer_steps is not None:
+                    trainer_steps = steering.trainer_steps
+                    self._adopted(trainer_steps)
         if trainer_updated or self.checks_every_micro_batch:
             self.trainer_steps_seen = trainer_steps
             # check()'s own test, without its call: the report's counts catch up at the next event or epoch end

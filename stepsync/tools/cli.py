@@ -16,7 +16,7 @@ from ..core.errors import ConfigInputError, StepSyncError
 from ..core.forecast import forecast
 from ..core.frameworks import FRAMEWORKS, LIGHTNING, TRAINER, framework_called
 from ..core.install import install_hint
-from ..core.lightning_versions import MEASURED_LIGHTNING, LightningStack, lightning_behaviour_of
+from ..core.lightning_versions import LightningStack, lightning_behaviour_of
 from ..core.plan import RunPlan
 from ..core.record import TRAINER_STATE, load_record, read_json
 from ..core.relayout import Layout
@@ -166,8 +166,8 @@ def run_check(args) -> int:
     stage = args.zero_stage if args.zero_stage is not None else ((deepspeed or {}).get("zero_optimization") or {}).get(
         "stage")
     if framework.releases == "lightning":
-        behaviour = lightning_behaviour_of(LightningStack(args.lightning or installed_version("lightning")
-                                                          or MEASURED_LIGHTNING[-1], versions["deepspeed"]))
+        behaviour = lightning_behaviour_of(LightningStack(args.lightning or LightningStack.installed().lightning,
+                                                          versions["deepspeed"]))
     else:
         behaviour = behaviour_of(Stack(**versions))
     behaviour = framework.applied_to(behaviour)

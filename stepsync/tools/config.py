@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..core.errors import ConfigInputError
 from ..core.frameworks import BackwardCall
 from ..core.record import read_json
-from ..core.versions import MEASURED_TRANSFORMERS, NEWEST, installed_version
+from ..core.versions import NEWEST, assumed_release, installed_version
 from ..core.weights import weight_faults
 
 
@@ -159,13 +159,12 @@ def _micro_batches(flags: Dict[str, Any], batch: int, world: int, drop_last: boo
 def versions_for(given: Dict[str, Optional[str]], notes: List[str]) -> Dict[str, str]:
     """The release of each package the forecast is made for: given, else installed, else the one assumed (said in
     ``notes``)."""
-    assumed = {"transformers": MEASURED_TRANSFORMERS[-1], "accelerate": NEWEST, "deepspeed": NEWEST}
     versions: Dict[str, str] = {}
     for package, version in given.items():
         found = version or installed_version(package)
-        versions[package] = found or assumed[package]
+        versions[package] = found or assumed_release(package)
         if found is None:
-            shown = "its newest release" if assumed[package] == NEWEST else assumed[package]
+            shown = "its newest release" if versions[package] == NEWEST else versions[package]
             notes.append(f"{package} is not installed here and --{package} was not given: the forecast assumes "
                          f"{shown}; pass --{package} VERSION for the run's machine")
     return versions

@@ -10,7 +10,7 @@ from typing import List, Optional
 
 from ..core.record import layout_from_files, record_at
 from ..core.relayout import Layout, ResumeShift
-from ..core.versions import MEASURED_TRANSFORMERS, PlannedSteps, Stack, behaviour_of, installed_version
+from ..core.versions import PlannedSteps, Stack, behaviour_of
 from .audit import CheckpointAudit
 
 
@@ -48,7 +48,7 @@ class ResumeOn:
 
 def planned_here() -> PlannedSteps:
     """How the installed transformers plans its epochs (the newest measured release's way where it is missing)."""
-    return behaviour_of(Stack(installed_version("transformers") or MEASURED_TRANSFORMERS[-1])).planned_steps
+    return behaviour_of(Stack.installed()).planned_steps
 
 
 def resume_on(audit: CheckpointAudit, world_size: int, planned: PlannedSteps, per_device_batch: Optional[int] = None,

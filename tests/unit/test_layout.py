@@ -289,3 +289,19 @@ def test_which_tests_a_stack_runs_is_written_once():
     for stack in (*matrix.STACKS, *matrix.LIGHTNING_STACKS):
         paths = matrix.tests_of(stack.name)
         assert paths and all(os.path.exists(os.path.join(REPO, path)) for path in paths), stack.name
+
+
+def test_release_facts_are_read_from_their_rows():
+    """A missing package's assumed release is said once (versions.assumed_release), a row is found by what it says,
+    never by its place, and the Trainer's remedy reads the release that fixed the drift from its row."""
+    import re
+
+    copied = []
+    for module, path in modules().items():
+        text = open(path).read()
+        if module != "stepsync.core.versions":
+            copied += [f"{module}: {m}" for m in re.findall(r"or NEWEST|MEASURED_[A-Z]+\[-1\]", text)]
+        copied += [f"{module}: {m}" for m in re.findall(r"_ROWS\[\d+\]|FEATURES\[[\d:]+\]", text)]
+    assert copied == []
+    remedy = open(os.path.join(ROOT, "core", "versions.py")).read().split("def remedy", 1)[1].split("\n\n", 1)[0]
+    assert not re.search(r'"\d+\.\d+\.\d+"', remedy)

@@ -415,3 +415,37 @@ def test_a_run_never_watched_says_why_not_counts_it_never_read():
     report.finished = True
     assert str(report) == ("stepsync report (policy 'warn'): not active: the Trainer does not use DeepSpeed: nothing "
                            "to check")
+
+
+def test_sync_sets_the_boundary_wherever_each_rule_counts_an_update():
+    """SyncAction finds each window's end G after the last one, asking the rule only at an epoch's start and end:
+    the boundaries it sets are the rule's, micro-batch by micro-batch, for every rule (brute force)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from stepsync.core import rules
+    from stepsync.core.versions import TrainerRule
+    from stepsync.engine.policies import SyncAction
+
+    class Override:
+        def set(self, value):
+            pass
+
+    @settings(max_examples=400, deadline=None)
+    @given(st.sampled_from(list(TrainerRule)), st.integers(1, 40), st.integers(1, 9), st.integers(0, 30),
+           st.integers(0, 39))
+    def check(rule, n, g, t_before, skip):
+        skip = skip % n  # a resumed epoch starts after its skipped micro-batches
+        action = SyncAction()
+        action.override, action.n = Override(), n
+        run = SimpleNamespace(position=skip, g=g, t_before_epoch=t_before,
+                              behaviour=SimpleNamespace(trainer_rule=rule))
+        action.before_epoch(run)
+        expected = []
+        for position in range(skip + 1, n + 1):
+            expected.append(action.expected)
+            run.position = position
+            action._prepare(run)
+        assert expected == [rules.is_trainer_boundary(rule, p, n, g, t_before) for p in range(skip + 1, n + 1)]
+
+    check()
