@@ -21,8 +21,21 @@ class Cause(str, Enum):
     UNEXPLAINED = "unexplained"
 
 
+class Counted:
+    """Both counts at one point, the framework's (``trainer_steps``) and the engine's (``engine_steps``), and the
+    drift between them, defined here once for everything that holds both: an event, an epoch's forecast, a
+    forecast, a report, a checkpoint's record."""
+
+    __slots__ = ()
+
+    @property
+    def drift(self) -> int:
+        """The framework's count less the engine's: positive where the framework is ahead."""
+        return self.trainer_steps - self.engine_steps  # type: ignore[attr-defined]  # every subclass has both
+
+
 @dataclass(frozen=True)
-class DriftEvent:
+class DriftEvent(Counted):
     """One change of the drift, seen at a step end, an epoch end or the start of training.
 
     Attributes:
@@ -46,10 +59,6 @@ class DriftEvent:
     where: str
     counter: str = "Trainer global_step"
     updates: str = "DeepSpeed engine global_steps"
-
-    @property
-    def drift(self) -> int:
-        return self.trainer_steps - self.engine_steps
 
     def message(self) -> str:
         return (

@@ -7,13 +7,14 @@ from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
 from .choices import Policy
+from .events import Counted
 from .plan import RunPlan, resume_position, updates_per_epoch
 from .relayout import ResumeShift
 from .versions import PlannedSteps, StackBehaviour
 
 
 @dataclass(frozen=True)
-class EpochForecast:
+class EpochForecast(Counted):
     """One epoch of a forecast. ``epoch`` is 1-based; step counts are cumulative at the epoch's end.
 
     ``partial_window`` is the size of the Trainer's short last window (0 when N is a multiple of G
@@ -31,13 +32,9 @@ class EpochForecast:
     dropped: int = 0
     cut: int = 0
 
-    @property
-    def drift(self) -> int:
-        return self.trainer_steps - self.engine_steps
-
 
 @dataclass
-class Forecast:
+class Forecast(Counted):
     """The predicted counts of a run under one policy.
 
     Attributes:
@@ -80,10 +77,6 @@ class Forecast:
     @property
     def engine_steps(self) -> int:
         return self.epochs[-1].engine_steps if self.epochs else self.plan.engine_steps_at_start
-
-    @property
-    def drift(self) -> int:
-        return self.trainer_steps - self.engine_steps
 
     @property
     def inherited_drift(self) -> int:

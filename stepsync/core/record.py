@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from . import rules
 from .errors import UnreadableFileError
-from .events import DriftEvent
+from .events import Counted, DriftEvent
 from .relayout import Layout, ResumeShift, position, resume_shift
 from .versions import PlannedSteps
 
@@ -26,7 +26,7 @@ _RNG_STATE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
 
 
 @dataclass(frozen=True)
-class ResumeRecord:
+class ResumeRecord(Counted):
     """What stepsync saves with every checkpoint, so a resumed run carries its report on.
 
     Attributes:
@@ -87,10 +87,6 @@ class ResumeRecord:
             return None
         return resume_shift(saved, layout, global_step, position(saved, self.next_epoch, self.next_skip), planned,
                             epochs)
-
-    @property
-    def drift(self) -> int:
-        return self.trainer_steps - self.engine_steps
 
     def to_dict(self) -> dict:
         data = asdict(self)

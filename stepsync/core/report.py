@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional
 
 from .choices import Policy
-from .events import DriftEvent, NonFiniteUpdate, SkippedUpdate
+from .events import Counted, DriftEvent, NonFiniteUpdate, SkippedUpdate
 from .frameworks import TRAINER, Framework
 from .prediction import Forecast
 from .record import ResumeRecord
@@ -51,7 +51,7 @@ class LoadedCheckpoint:
 
 
 @dataclass
-class SyncReport:
+class SyncReport(Counted):
     """The outcome of a run as stepsync saw it; read it from ``callback.report``.
 
     Attributes:
@@ -127,10 +127,6 @@ class SyncReport:
     def micro_batches(self) -> int:
         """Micro-batches this run trained (every epoch that ended)."""
         return sum(row.micro_batches for row in self.epochs)
-
-    @property
-    def drift(self) -> int:
-        return self.trainer_steps - self.engine_steps
 
     @property
     def new_drift(self) -> int:

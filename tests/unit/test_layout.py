@@ -305,3 +305,18 @@ def test_release_facts_are_read_from_their_rows():
     assert copied == []
     remedy = open(os.path.join(ROOT, "core", "versions.py")).read().split("def remedy", 1)[1].split("\n\n", 1)[0]
     assert not re.search(r'"\d+\.\d+\.\d+"', remedy)
+
+
+def test_the_drift_between_both_counts_is_defined_once():
+    """Every record of both counts (an event, a forecast and its epochs, a report, a checkpoint's record) is a
+    Counted: the drift has one definition."""
+    from stepsync.core.events import Counted, DriftEvent
+    from stepsync.core.prediction import EpochForecast, Forecast
+    from stepsync.core.record import ResumeRecord
+    from stepsync.core.report import SyncReport
+
+    defined = [module for module, path in modules().items() if layer(module) == "core"
+               for node in ast.walk(ast.parse(open(path).read()))
+               if isinstance(node, ast.FunctionDef) and node.name == "drift"]
+    assert defined == ["stepsync.core.events"]
+    assert all(issubclass(cls, Counted) for cls in (DriftEvent, EpochForecast, Forecast, ResumeRecord, SyncReport))
