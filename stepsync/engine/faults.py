@@ -10,8 +10,7 @@ from typing import Any, Optional
 
 from ..core.choices import Policy
 from ..core.errors import StepSyncError
-from ..core.report import SyncReport
-from ..display.output import logger
+from .lifecycle import say_switched_off
 from .run import Run
 
 
@@ -27,14 +26,6 @@ def switch_off(run: Run, reason: str, exc_info: Optional[BaseException] = None) 
         reason = (f"{reason}; DeepSpeed's own boundary could not be given back ({exc!r}): the engine keeps the last "
                   "boundary stepsync set")
     say_switched_off(run.report, run.policy, reason, exc_info)
-
-
-def say_switched_off(report: SyncReport, policy: Policy, reason: str, exc_info: Optional[BaseException] = None) -> None:
-    """Mark ``report`` inactive for ``reason`` and say so once, with the traceback that caused it."""
-    report.active = False
-    report.inactive_reason = reason
-    outcome = f"policy '{policy.value}' stops the run" if policy.stops else "training goes on"
-    logger.error("switched itself off for this run; %s. %s", outcome, reason, exc_info=exc_info)
 
 
 def guarded(steering: bool, needs_run: bool = True):

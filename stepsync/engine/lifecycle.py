@@ -249,6 +249,14 @@ def _refuse_or_warn(run: Run, text: str, where: str, error: bool = False) -> Non
     (run.voice.error if error else run.voice.warn)(text)
 
 
+def say_switched_off(report: SyncReport, policy: Policy, reason: str, exc_info: Optional[BaseException] = None) -> None:
+    """Mark ``report`` inactive for ``reason`` and say so once, with the traceback that caused it."""
+    report.active = False
+    report.inactive_reason = reason
+    outcome = f"policy '{policy.value}' stops the run" if policy.stops else "training goes on"
+    logger.error("switched itself off for this run; %s. %s", outcome, reason, exc_info=exc_info)
+
+
 def close_run(report: SyncReport, run: Optional[Run], trainer_steps: int,
               loaded_folder: Optional[str] = None) -> SyncReport:
     """Training ended: give the engine its own boundary back and make the report final (once observing ended, its

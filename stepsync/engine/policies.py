@@ -71,14 +71,12 @@ class RealignAction(PolicyAction):
     def after_micro_batch(self, run, trainer_updated, engine_updated, trainer_steps):
         if not trainer_updated or trainer_steps == run.engine_steps_seen:
             return None
-        run.report.corrections += 1
         # The flow callback decided on the Trainer's count: decide again when the engine made an update.
         return Steering(trainer_steps=run.engine_steps_seen, decide_flow_again=run.engine_moved_in_window)
 
     def at_epoch_end(self, run, trainer_steps):
         if trainer_steps == run.engine_steps_seen:
             return None
-        run.report.corrections += 1
         return Steering(trainer_steps=run.engine_steps_seen)
 
 

@@ -160,8 +160,7 @@ class Run:
             if steering is not None:  # rare: the hot path makes no call for it
                 self._took(steering)
                 if steering.trainer_steps is not None:
-                    trainer_steps = steering.trainer_steps
-                    self._adopted(trainer_steps)
+                    trainer_steps = self._adopted(steering.trainer_steps)
         if trainer_updated or self.checks_every_micro_batch:
             self.trainer_steps_seen = trainer_steps
             # check()'s own test, without its call: the report's counts catch up at the next event or epoch end
@@ -177,8 +176,7 @@ class Run:
         self.updates.check_weights_now(self)
         steering = self._took(self.action.at_epoch_end(self, trainer_steps))
         if steering is not None and steering.trainer_steps is not None:
-            trainer_steps = steering.trainer_steps
-            self._adopted(trainer_steps)
+            trainer_steps = self._adopted(steering.trainer_steps)
         self.trainer_steps_seen = trainer_steps
         if self.observing:
             self.observe(self._close_epoch, trainer_steps)
@@ -208,13 +206,16 @@ class Run:
             return self.epoch + 1, 0
         return self.epoch, self.position
 
-    def _adopted(self, trainer_steps: int) -> None:
-        """The policy set the count to the engine's: a drift carried until now is taken back, not a new event."""
+    def _adopted(self, trainer_steps: int) -> int:
+        """The policy set the framework's count to ``trainer_steps`` (the engine's): one correction; a drift carried
+        until now is taken back, not a new event."""
+        self.report.corrections += 1
         if self.last_drift and trainer_steps == self.engine_steps_seen and self.observing:
             self.voice.note(f"policy '{self.policy.value}' set the {self.report.counter}'s count to the "
                             f"{self.report.updater}'s ({trainer_steps}) at epoch {self.epoch + 1}, micro-batch "
                             f"{self.position}: the drift {self.last_drift:+d} carried until then is taken back")
             self.last_drift = 0
+        return trainer_steps
 
     @property
     def policy(self) -> Policy:

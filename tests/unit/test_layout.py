@@ -320,3 +320,23 @@ def test_the_drift_between_both_counts_is_defined_once():
                if isinstance(node, ast.FunctionDef) and node.name == "drift"]
     assert defined == ["stepsync.core.events"]
     assert all(issubclass(cls, Counted) for cls in (DriftEvent, EpochForecast, Forecast, ResumeRecord, SyncReport))
+
+
+# The report is written where a run opens and closes (the lifecycle, and the record a resume carries on) and at its
+# checks, by the run and its parts (its voice, its reading of each update, its first-forward check); a report
+# read at any moment, or after a stop, holds everything found until then.
+REPORT_WRITERS = {"stepsync.engine.lifecycle", "stepsync.engine.resume", "stepsync.engine.run",
+                  "stepsync.engine.messages", "stepsync.engine.outcomes", "stepsync.engine.outputs",
+                  "stepsync.core.report"}
+
+
+def test_only_the_run_and_its_lifecycle_write_the_report():
+    mutating = (".append", ".extend", ".insert", ".update", ".pop", ".clear", ".remove")
+    writers = set()
+    for module, path in modules().items():
+        calls, targets = calls_and_writes(path)
+        for text in targets + [call.rsplit(".", 1)[0] for call in calls if call.endswith(mutating)]:
+            parts = text.replace("[", ".").split(".")
+            if any(name in ("report", "_report") for name in parts[:-1]):
+                writers.add(module)
+    assert writers <= REPORT_WRITERS, writers - REPORT_WRITERS
