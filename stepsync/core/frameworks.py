@@ -108,6 +108,12 @@ class Framework:
         ends_epochs_under: the policies under which an epoch trains its whole windows only (the framework ends it
             there, or stepsync does), leaving its last partial window untrained.
         g_setting: the name of its gradient accumulation setting, in messages.
+        plans_by_forecast: it plans no count of its own that stepsync can read (Lightning runs its epochs): the
+            forecast's plan is taken as its plan.
+        checks_every_micro_batch: both counts are compared after every micro-batch, not only where it counted an
+            update (an engine ahead of it shows between its updates).
+        checkpoints: the folders ``stepsync inspect`` reads of it: "trainer" (``checkpoint-N``, and Ray Train's),
+            "accelerate" (``accelerator.save_state``'s), or "" where it saves neither.
     """
 
     name: str
@@ -127,6 +133,9 @@ class Framework:
     engine_reason: str = ""
     ends_epochs_under: FrozenSet[Policy] = frozenset()
     g_setting: str = "gradient_accumulation_steps"
+    plans_by_forecast: bool = False
+    checks_every_micro_batch: bool = False
+    checkpoints: str = ""
 
     def applied_to(self, behaviour: Any) -> Any:
         """What the installed releases do (a :class:`stepsync.core.versions.StackBehaviour`), run by this
@@ -153,13 +162,13 @@ class Framework:
 TRAINER = Framework(
     name="the Trainer", who="Trainer", counter="Trainer global_step", whose_g="the Trainer's", key="trainer",
     metric_keys=("stepsync/trainer_steps", "stepsync/engine_steps", "stepsync/drift"),
-    backward_call=BackwardCall.TRAINER, ends_epochs_under=frozenset({Policy.DROP_LAST}))
+    backward_call=BackwardCall.TRAINER, ends_epochs_under=frozenset({Policy.DROP_LAST}), checkpoints="trainer")
 
 LIGHTNING = Framework(
     name="Lightning", who="Lightning", counter="Lightning global_step",
     whose_g="Lightning's accumulate_grad_batches", key="lightning", backward_call=BackwardCall.LIGHTNING,
     releases="lightning", ends_epochs_under=frozenset({Policy.SYNC, Policy.DROP_LAST}),
-    g_setting="accumulate_grad_batches",
+    g_setting="accumulate_grad_batches", plans_by_forecast=True, checks_every_micro_batch=True,
     metric_keys=("stepsync/lightning_steps", "stepsync/engine_steps", "stepsync/drift"),
     refused={Policy.REALIGN: Refusal("cannot apply to Lightning: its global_step is derived from its loop's progress "
                                      "counters, which a callback cannot set", (Policy.SYNC, Policy.DROP_LAST))},
@@ -171,6 +180,7 @@ ACCELERATE_LOOP = Framework(
     name="your loop", who="your loop", counter="loop updates", whose_g="the accelerator's", key="accelerate",
     metric_keys=("stepsync/loop_steps", "stepsync/engine_steps", "stepsync/drift"),
     backward_call=BackwardCall.ACCELERATE, counts_by=TrainerRule.EPOCH_END, plans_by=PlannedSteps.CEIL,
+    checkpoints="accelerate",
     refused={Policy.REALIGN: Refusal("cannot change your loop's own counter", (Policy.SYNC,),
                                      "keep policy 'warn' and adopt watch.report.engine_steps"),
              Policy.DROP_LAST: Refusal("cannot end your dataloader's epochs early", (Policy.SYNC,),

@@ -45,12 +45,10 @@ class RunStart:
         is_main: whether this rank speaks.
         trainer_steps: the framework's count when training begins (a resume's).
         planned_steps: the updates the framework planned (its LR schedule's length); None for none.
-        planned_by_forecast: the framework plans what the forecast says (Lightning): take the plan from it.
         plan: what the forecast is made from (None: no forecast).
         start_epoch, skip: where a resumed run starts (0-based epoch, micro-batches already done in it).
         layout: how the run splits its data, kept in every record.
         action: what acts for the policy (default: the policy's own action).
-        checks_every_micro_batch: compare both counts after every micro-batch.
         record: the record of the checkpoint this run resumes from, if any; ``record_problem`` why it could not
             be read.
         shift: what a resume on another layout skips and trains twice.
@@ -72,13 +70,11 @@ class RunStart:
     is_main: bool = True
     trainer_steps: int = 0
     planned_steps: Optional[int] = None
-    planned_by_forecast: bool = False
     plan: Optional[RunPlan] = None
     start_epoch: int = 0
     skip: int = 0
     layout: Optional[Layout] = None
     action: Optional[PolicyAction] = None
-    checks_every_micro_batch: bool = False
     record: Optional[ResumeRecord] = None
     record_problem: Optional[str] = None
     shift: Optional[ResumeShift] = None
@@ -109,7 +105,7 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None,
     report = SyncReport(start.policy, framework=start.framework, planned_steps=start.planned_steps)
     run = Run(start.engine, start.behaviour, start.n, start.g, report, start.output,
               start.action or action_for(start.policy), start_epoch=start.start_epoch, skip=start.skip,
-              is_main=start.is_main, plan=start.plan, checks_every_micro_batch=start.checks_every_micro_batch,
+              is_main=start.is_main, plan=start.plan, checks_every_micro_batch=start.framework.checks_every_micro_batch,
               layout=start.layout)
     if built is not None:
         built(run)
@@ -175,7 +171,7 @@ def start_training(run: Run, start: RunStart, resumed: bool = False) -> None:
     if start.plan is not None:
         predicted = forecast(start.plan, start.behaviour, run.policy)
         predicted.resume_shift = start.shift
-        if start.planned_by_forecast:
+        if start.framework.plans_by_forecast:
             report.planned_steps = predicted.planned_steps
         elif report.planned_steps is not None and predicted.planned_steps != report.planned_steps:
             run.voice.note(f"{start.framework.name} planned max_steps={report.planned_steps}, the forecast "

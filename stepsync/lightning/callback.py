@@ -131,8 +131,8 @@ class StepSyncCallback(Callback, Adapter):
             shift = replayed_epoch_shift(record.layout, layout, stood, epoch, batch_idx, self._batches or n,
                                          trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None)
         open_run(RunStart(LIGHTNING, self.policy, engine, behaviour, self._batches or n, g, self.output,
-                          is_main=trainer.is_global_zero, trainer_steps=trainer.global_step, planned_by_forecast=True,
-                          plan=plan, start_epoch=epoch, skip=batch_idx, action=action, checks_every_micro_batch=True,
+                          is_main=trainer.is_global_zero, trainer_steps=trainer.global_step,
+                          plan=plan, start_epoch=epoch, skip=batch_idx, action=action,
                           record=record, layout=layout, shift=None if shift is None or shift.exact else shift,
                           asked_clip=lightning_facts.asked_clip(trainer), clip_fix=lightning_facts.CLIP_FIX),
                  self._keep)

@@ -16,6 +16,7 @@ from typing import List, Optional
 
 from ..core import record as checkpoint
 from ..core.errors import AuditInputError
+from ..core.frameworks import ACCELERATE_LOOP, FRAMEWORKS, TRAINER, Framework
 from ..core.record import ResumeRecord, rng_state_ranks
 from .archives import archive_problem, int_in_pickle
 from .storage import Located, checkpoints_under, locate
@@ -126,12 +127,17 @@ class OutputAudit:
                 "verdict": self.verdict(), "checkpoints": [c.to_dict() for c in self.checkpoints]}
 
 
-def audit_output_dir(path: str, verify_data: bool = True) -> OutputAudit:
+def audit_output_dir(path: str, verify_data: bool = True, framework: Optional[Framework] = None) -> OutputAudit:
     """Audit every checkpoint in a Trainer output directory or a Ray Train run's storage folder
     (:mod:`stepsync.tools.storage`), or the one checkpoint named.
 
     ``verify_data=False`` checks each DeepSpeed file's structure and pickle but not every tensor's checksum
-    (which reads every byte of the checkpoint)."""
+    (which reads every byte of the checkpoint). ``framework``: the one that saved them (default: told by the
+    folders); a folder another framework saved is refused, naming it."""
+    if framework is not None and not framework.checkpoints:
+        readable = " and ".join(f"{f.key}'s" for f in FRAMEWORKS if f.checkpoints)
+        raise AuditInputError(f"stepsync inspect reads {readable} checkpoints; {framework.name} saves neither "
+                              f"(--framework {framework.key}): pass the folder a Trainer or an accelerate loop saved")
     if not os.path.exists(path):
         raise AuditInputError(f"{path!r} does not exist: pass the Trainer's output_dir")
     if not os.path.isdir(path):
@@ -142,6 +148,13 @@ def audit_output_dir(path: str, verify_data: bool = True) -> OutputAudit:
         raise AuditInputError(f"no checkpoint-N folders (nor Ray Train checkpoint_<timestamp> folders, nor "
                               f"accelerator.save_state folders) in {path!r}: "
                               "pass the output_dir of a Trainer run that saved, or Ray Train's <storage_path>/<name>")
+    if framework is not None:
+        saved_by = {item.name: ACCELERATE_LOOP if item.loop else TRAINER for item in found}
+        other = sorted(name for name, by in saved_by.items() if by.checkpoints != framework.checkpoints)
+        if other:
+            by = saved_by[other[0]]
+            raise AuditInputError(f"{', '.join(other)} in {path!r} were saved by {by.name}, not {framework.name}: "
+                                  f"pass --framework {by.key} (or leave --framework out)")
     return OutputAudit(path, [audit_checkpoint(item.path, verify_data, item) for item in found])
 
 

@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("output_dir", help="the Trainer's output_dir (every checkpoint in it), or one checkpoint-N "
                                             "folder (that checkpoint only)")
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    inspect.add_argument("--framework", choices=[framework.key for framework in FRAMEWORKS], default=None,
+                         help="the framework that saved the checkpoints (default: told by the folders): trainer "
+                              "(checkpoint-N) or accelerate (accelerator.save_state); a folder the other saved is "
+                              "refused")
     inspect.add_argument("--quick", action="store_true",
                          help="check each DeepSpeed file's structure, not every tensor's checksum (which reads "
                               "every byte of the checkpoint)")
@@ -206,7 +210,8 @@ def resume_of(folder: str, inputs, behaviour):
 
 
 def run_inspect(args) -> int:
-    audit = audit_output_dir(args.output_dir, verify_data=not args.quick)  # a checkpoint-N folder: that one only
+    framework = framework_called(args.framework) if args.framework else None
+    audit = audit_output_dir(args.output_dir, not args.quick, framework)  # a checkpoint-N folder: that one only
     resumes = []
     if args.world_size is not None:
         planned = planned_here()

@@ -89,3 +89,31 @@ def test_an_output_dir_without_deepspeed_is_not_said_to_inherit_drift(tmp_path):
     audit = audit_output_dir(str(tmp_path))
     assert audit.ok and audit.checkpoints[0].drift is None
     assert audit.verdict() == "safe to resume from: checkpoint-3 (no DeepSpeed files: no engine count to compare)"
+
+
+@pytest.mark.reliability("bad_input")
+def test_inspect_framework_refuses_the_folders_another_framework_saved(tmp_path):
+    """`inspect --framework` takes its choices from the framework descriptors: the Trainer's and accelerate's
+    folders are read, each refused under the other's name, and Lightning's and Fabric's saves (neither) named."""
+    from harness.cli import stepsync
+
+    checkpoint(tmp_path / "trainer", 2, [0], 0, 1)
+    loop = tmp_path / "loop" / "step_3"
+    loop.mkdir(parents=True)
+    (loop / "random_states_0.pkl").write_bytes(b"")
+    said = {}
+    for folder in ("trainer", "loop"):
+        for framework in ("trainer", "accelerate", "lightning", "fabric"):
+            proc = stepsync("inspect", str(tmp_path / folder), "--framework", framework, "--quick")
+            said[folder, framework] = (proc.returncode, proc.stderr.strip().splitlines()[-1] if proc.stderr else "")
+    assert said["trainer", "trainer"][0] == 0
+    assert said["trainer", "accelerate"] == (2, f"stepsync: error: checkpoint-2 in {str(tmp_path / 'trainer')!r} "
+                                                "were saved by the Trainer, not your loop: pass --framework trainer "
+                                                "(or leave --framework out)")
+    assert said["loop", "trainer"][0] == 2 and "saved by your loop" in said["loop", "trainer"][1]
+    assert "--framework accelerate" in said["loop", "trainer"][1]
+    assert said["loop", "accelerate"][0] in (0, 1)  # read: its audit says what the folder lacks
+    for folder in ("trainer", "loop"):
+        for framework in ("lightning", "fabric"):
+            code, line = said[folder, framework]
+            assert code == 2 and "reads trainer's and accelerate's checkpoints" in line, line

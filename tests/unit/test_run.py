@@ -275,7 +275,7 @@ def test_what_the_updates_miss_is_in_the_final_report_not_only_in_the_forecast()
     behaviour = lightning_behaviour_of(LightningStack("2.6.6", "0.19.8"))
     engine = FakeEngine(2)
     run, _ = open_run(RunStart(LIGHTNING, Policy.WARN, engine, behaviour, 4, 2, ConsoleOutput(False),
-                               planned_by_forecast=True, plan=RunPlan(4, 2, 1, zero_stage=2)))
+                               plan=RunPlan(4, 2, 1, zero_stage=2)))
     run.begin_epoch()
     for position in range(1, 5):
         engine.step()
