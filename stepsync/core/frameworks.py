@@ -112,6 +112,9 @@ class Framework:
             forecast's plan is taken as its plan.
         checks_every_micro_batch: both counts are compared after every micro-batch, not only where it counted an
             update (an engine ahead of it shows between its updates).
+        packages: the releases that decide how it counts (a forecast for another machine names them).
+        loss_divisions: how many times a micro-batch's loss is divided by G where its loop fixes that, whatever
+            the releases (None: the release table says); ``caveat``: what the forecast cannot know of it.
         checkpoints: the folders ``stepsync inspect`` reads of it: "trainer" (``checkpoint-N``, and Ray Train's),
             "accelerate" (``accelerator.save_state``'s), or "" where it saves neither.
     """
@@ -136,6 +139,9 @@ class Framework:
     plans_by_forecast: bool = False
     checks_every_micro_batch: bool = False
     checkpoints: str = ""
+    loss_divisions: Optional[int] = None
+    caveat: str = ""
+    packages: Tuple[str, ...] = ("transformers", "accelerate", "deepspeed")
 
     def applied_to(self, behaviour: Any) -> Any:
         """What the installed releases do (a :class:`stepsync.core.versions.StackBehaviour`), run by this
@@ -145,6 +151,10 @@ class Framework:
             changes["trainer_rule"] = self.counts_by
         if self.plans_by is not None:
             changes["planned_steps"] = self.plans_by
+        if self.loss_divisions is not None:
+            changes["loss_divisions"] = self.loss_divisions
+        if self.caveat:
+            changes["caveats"] = (*behaviour.caveats, self.caveat)
         # accelerate >= 1.8 sets the boundary from the loop's own windows: a loop's fixed stepping yields to it
         if self.engine_stepped is not None and behaviour.engine_boundary is not EngineBoundary.FOLLOWS_TRAINER:
             changes["engine_boundary"], changes["engine_reason"] = self.engine_stepped, self.engine_reason
@@ -169,6 +179,7 @@ LIGHTNING = Framework(
     whose_g="Lightning's accumulate_grad_batches", key="lightning", backward_call=BackwardCall.LIGHTNING,
     releases="lightning", ends_epochs_under=frozenset({Policy.SYNC, Policy.DROP_LAST}),
     g_setting="accumulate_grad_batches", plans_by_forecast=True, checks_every_micro_batch=True,
+    packages=("lightning", "deepspeed"),
     metric_keys=("stepsync/lightning_steps", "stepsync/engine_steps", "stepsync/drift"),
     refused={Policy.REALIGN: Refusal("cannot apply to Lightning: its global_step is derived from its loop's progress "
                                      "counters, which a callback cannot set", (Policy.SYNC, Policy.DROP_LAST))},
@@ -180,7 +191,7 @@ ACCELERATE_LOOP = Framework(
     name="your loop", who="your loop", counter="loop updates", whose_g="the accelerator's", key="accelerate",
     metric_keys=("stepsync/loop_steps", "stepsync/engine_steps", "stepsync/drift"),
     backward_call=BackwardCall.ACCELERATE, counts_by=TrainerRule.EPOCH_END, plans_by=PlannedSteps.CEIL,
-    checkpoints="accelerate",
+    checkpoints="accelerate", packages=("accelerate", "deepspeed"),
     refused={Policy.REALIGN: Refusal("cannot change your loop's own counter", (Policy.SYNC,),
                                      "keep policy 'warn' and adopt watch.report.engine_steps"),
              Policy.DROP_LAST: Refusal("cannot end your dataloader's epochs early", (Policy.SYNC,),
@@ -194,6 +205,10 @@ FABRIC_LOOP = Framework(
     plans_by=PlannedSteps.WHOLE, engine_stepped=EngineBoundary.NEVER_STEPPED,
     engine_reason="your Fabric loop steps the optimizer itself and never calls engine.step(): the engine's count "
                   "stays where it was",
+    loss_divisions=1, packages=("lightning", "deepspeed"),
+    caveat="your Fabric loop divides each loss by G; DeepSpeed divides it once more where its config's "
+           "gradient_accumulation_steps is G (each micro-batch then weighs 1/G^2): stepsync verify --framework fabric "
+           "measures your config",
     refused={Policy.REALIGN: Refusal("cannot change your loop's own count", (Policy.SYNC, Policy.WARN)),
              Policy.DROP_LAST: Refusal("cannot end your dataloader's epochs early", (Policy.SYNC, Policy.WARN))},
     remedy="use stepsync.lightning.watch(fabric, ..., policy='sync')")

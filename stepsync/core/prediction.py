@@ -10,7 +10,7 @@ from .choices import Policy
 from .events import Counted
 from .plan import RunPlan, resume_position, updates_per_epoch
 from .relayout import ResumeShift
-from .versions import PlannedSteps, StackBehaviour
+from .versions import EngineBoundary, PlannedSteps, StackBehaviour
 
 
 @dataclass(frozen=True)
@@ -260,6 +260,8 @@ def drift_reason(forecast: Forecast) -> str:
     """Why a forecast drifts, in words a user can act on."""
     plan, behaviour = forecast.plan, forecast.behaviour
     n, g = plan.micro_batches_per_epoch, plan.gradient_accumulation_steps
+    if behaviour.engine_boundary is EngineBoundary.NEVER_STEPPED:
+        return behaviour.engine_reason
     if forecast.drift < forecast.inherited_drift:
         shape = f"the engine is ahead: its windows cross epoch ends while {behaviour.framework.name}'s restart"
     elif n <= g:

@@ -163,7 +163,8 @@ def run_check(args) -> int:
         notes.append(f"{args.training_args} names no DeepSpeed config: the forecast assumes the run uses DeepSpeed; "
                      "if it is launched with accelerate's DeepSpeed plugin, pass --deepspeed-config with the "
                      "plugin's config file")
-    versions = versions_for({p: getattr(args, p) for p in ("transformers", "accelerate", "deepspeed")}, notes)
+    versions = versions_for({p: getattr(args, p) for p in ("transformers", "accelerate", "deepspeed")}, notes,
+                            framework.packages)
     faults, certain = weight_faults_of(deepspeed, versions["deepspeed"], inputs.gradient_accumulation_steps,
                                        framework.backward_call)
     notes += faults

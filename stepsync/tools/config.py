@@ -156,14 +156,14 @@ def _micro_batches(flags: Dict[str, Any], batch: int, world: int, drop_last: boo
     return micro
 
 
-def versions_for(given: Dict[str, Optional[str]], notes: List[str]) -> Dict[str, str]:
+def versions_for(given: Dict[str, Optional[str]], notes: List[str], said: Tuple[str, ...] = ()) -> Dict[str, str]:
     """The release of each package the forecast is made for: given, else installed, else the one assumed (said in
-    ``notes``)."""
+    ``notes`` for the packages in ``said``, those that decide the forecast; all of them by default)."""
     versions: Dict[str, str] = {}
     for package, version in given.items():
         found = version or installed_version(package)
         versions[package] = found or assumed_release(package)
-        if found is None:
+        if found is None and (not said or package in said):
             shown = "its newest release" if versions[package] == NEWEST else versions[package]
             notes.append(f"{package} is not installed here and --{package} was not given: the forecast assumes "
                          f"{shown}; pass --{package} VERSION for the run's machine")

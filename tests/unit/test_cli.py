@@ -271,3 +271,21 @@ def test_only_stepsyncs_own_errors_are_bad_input(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(cli, "run_inspect", refused)
     assert cli.main(["inspect", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == "stepsync: error: not an output folder: pass the one the Trainer wrote"
+
+
+def test_check_of_a_loop_says_what_the_loop_decides_and_nothing_else():
+    """--framework fabric: the engine never steps (no 'partial window' it leaves open), the weight depends on the
+    DeepSpeed config (a caveat, not a claim); --framework accelerate: transformers decides nothing (no note on it)."""
+    fabric = stepsync("check", "--micro-batches-per-epoch", "5", "--gas", "2", "--epochs", "3", "--framework",
+                      "fabric", "--deepspeed", "0.19.8", "--json")
+    data = json.loads(fabric.stdout)
+    assert fabric.returncode == 1 and (data["trainer_steps"], data["engine_steps"]) == (6, 0)
+    assert "never calls engine.step()" in data["verdict"] and "partial window" not in data["verdict"]
+    assert "1/4" not in data["verdict"] and any("1/G^2" in note for note in data["notes"])
+    assert not any(note.startswith(("transformers", "accelerate")) for note in data["notes"])
+    loop = stepsync("check", "--micro-batches-per-epoch", "5", "--gas", "2", "--epochs", "3", "--framework",
+                    "accelerate", "--accelerate", "1.7.0", "--deepspeed", "0.19.8", "--json")
+    data = json.loads(loop.stdout)
+    assert loop.returncode == 1 and [(e["trainer_steps"], e["engine_steps"]) for e in data["epochs"]] == [
+        (3, 2), (6, 5), (9, 7)]
+    assert not any(note.startswith("transformers") for note in data["notes"])
