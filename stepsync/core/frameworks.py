@@ -155,8 +155,7 @@ class Framework:
             changes["loss_divisions"] = self.loss_divisions
         if self.caveat:
             changes["caveats"] = (*behaviour.caveats, self.caveat)
-        # accelerate >= 1.8 sets the boundary from the loop's own windows: a loop's fixed stepping yields to it
-        if self.engine_stepped is not None and behaviour.engine_boundary is not EngineBoundary.FOLLOWS_TRAINER:
+        if self.engine_stepped is not None:
             changes["engine_boundary"], changes["engine_reason"] = self.engine_stepped, self.engine_reason
         return replace(behaviour, **changes)
 
@@ -213,7 +212,25 @@ FABRIC_LOOP = Framework(
              Policy.DROP_LAST: Refusal("cannot end your dataloader's epochs early", (Policy.SYNC, Policy.WARN))},
     remedy="use stepsync.lightning.watch(fabric, ..., policy='sync')")
 
-FRAMEWORKS = (TRAINER, LIGHTNING, ACCELERATE_LOOP, FABRIC_LOOP)
+# A loop that drives the engine itself, as DeepSpeed-Chat's training steps do: backward() and step() after every
+# micro-batch, the engine updating at every G-th by its own counter, across epochs, while the loop plans its LR
+# schedule as epochs * ceil(N / G) (its windows restart at each epoch). stepsync forecasts it; it does not watch it
+# yet, so the policies that would act on it are refused.
+_NOT_WATCHED = "needs stepsync to watch your DeepSpeed loop, which it does not yet"
+DEEPSPEED_LOOP = Framework(
+    name="your DeepSpeed loop", who="your loop", counter="the updates your loop plans",
+    whose_g="the DeepSpeed config's", key="deepspeed", counts_by=TrainerRule.EPOCH_END, plans_by=PlannedSteps.CEIL,
+    engine_stepped=EngineBoundary.MICRO_COUNTER,
+    engine_reason="your loop calls engine.step() after every micro-batch: the engine updates at every G-th by its "
+                  "own counter, which never restarts at an epoch",
+    remedy="close each epoch's last window yourself: engine.set_gradient_accumulation_boundary(True) before its "
+           "last backward(), False before the others",
+    refused={policy: Refusal(_NOT_WATCHED, (Policy.WARN,), "close each epoch's last window yourself "
+                             "(engine.set_gradient_accumulation_boundary)")
+             for policy in (Policy.RAISE, Policy.SYNC, Policy.REALIGN, Policy.DROP_LAST)},
+    packages=("deepspeed",))
+
+FRAMEWORKS = (TRAINER, LIGHTNING, ACCELERATE_LOOP, FABRIC_LOOP, DEEPSPEED_LOOP)
 
 
 def framework_called(key: str) -> Framework:

@@ -57,7 +57,9 @@ def forecast_table(forecast: Forecast, title: Optional[str] = None) -> Table:
     epochs = forecast.epochs
     shown = epochs if len(epochs) <= SHOWN_EPOCHS else epochs[:SHOWN_EPOCHS // 2] + epochs[-SHOWN_EPOCHS // 2:]
     rows = [[cell(row) for _, cell in columns] for row in shown]
-    table_caption = str(forecast.behaviour.stack)
+    stack, packages = forecast.behaviour.stack, forecast.behaviour.framework.packages
+    # the releases that decide this framework's counting, as the stack names them
+    table_caption = ", ".join(f"{p} {getattr(stack, p)}" for p in packages if hasattr(stack, p)) or str(stack)
     if len(shown) < len(epochs):  # a long run: its first and last epochs (--json has them all)
         rows.insert(SHOWN_EPOCHS // 2, ["..."] * len(columns))
         table_caption += f"; {len(epochs) - len(shown)} epochs between not shown (--json has every one)"

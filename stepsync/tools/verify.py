@@ -33,8 +33,7 @@ LOSS_SCALE = 1e-3
 # How far a measured weight may be from 1/G: bf16 keeps 8 bits of mantissa.
 TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-3}
 # How each framework calls backward on the engine (its descriptor's BackwardCall), and its name in words.
-FRAMEWORK_CALLS = {"deepspeed": (BackwardCall.ENGINE, "a plain DeepSpeed loop"),
-                   **{framework.key: (framework.backward_call, framework.name) for framework in FRAMEWORKS}}
+FRAMEWORK_CALLS = {framework.key: (framework.backward_call, framework.name) for framework in FRAMEWORKS}
 KEYS_REPLACED = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
                  "gradient_accumulation_steps")
 
