@@ -6,7 +6,7 @@ import os
 import sys
 
 
-from harness.runs import final_parameters
+from harness.runs import end_process_group, final_parameters
 from harness.loops import run_loop
 
 
@@ -21,3 +21,4 @@ def main(mode: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    end_process_group()

@@ -7,7 +7,7 @@ import sys
 import tempfile
 
 
-from harness.runs import final_parameters, run_tiny
+from harness.runs import end_process_group, final_parameters, run_tiny
 
 
 def main(mode: str, out: str) -> None:
@@ -24,3 +24,4 @@ def main(mode: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    end_process_group()

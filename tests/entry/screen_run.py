@@ -9,7 +9,7 @@ import tempfile
 
 
 from stepsync import StepSyncCallback
-from harness.runs import run_tiny
+from harness.runs import end_process_group, run_tiny
 
 setup = sys.argv[1]
 if setup == "stdout":  # as transformers' examples/pytorch/*/run_*.py configure it
@@ -20,4 +20,4 @@ elif setup == "rich":
 
     logging.basicConfig(handlers=[RichHandler()], level=logging.INFO, format="%(message)s")
 result = run_tiny(tempfile.mkdtemp(), samples=3, gas=2, epochs=2, callback=StepSyncCallback())
-sys.exit(1 if result.error else 0)
+end_process_group(1 if result.error else 0)

@@ -17,7 +17,7 @@ def child_env(env=None) -> dict:
     return {k: v for k, v in (os.environ if env is None else env).items() if k not in PROCESS_GROUP_VARS}
 
 
-def end_process_group() -> None:
+def end_process_group(code: int = 0) -> None:
     """End this rank, last thing in a script whose results are written: exit at once. Left to the interpreter's exit
     (even after ``destroy_process_group``), gloo's and DDP's threads sometimes abort a rank whose run finished
     (``terminate called without an active exception``). No barrier: a rank that failed must not hold the others."""
@@ -25,7 +25,7 @@ def end_process_group() -> None:
 
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def torchrun_phase(script: str, out, name: str, world: int, args, timeout: float = 600, **env_vars) -> list:
