@@ -113,7 +113,6 @@ def _lookup(rows, package: str, version: str) -> Optional[ReleaseRow]:
     return next((row for row in rows if row.package == package and row.covers(version)), None)
 
 
-@functools.lru_cache(maxsize=None)
 def assumed_release(package: str) -> str:
     """What stepsync takes a package that is neither installed nor given to be: the newest release probed of the
     frameworks whose counting the probes measure (transformers, Lightning), the newest release of anything else."""
@@ -121,6 +120,7 @@ def assumed_release(package: str) -> str:
     return measured[-1] if measured else NEWEST
 
 
+@functools.lru_cache(maxsize=None)
 def installed_version(package: str) -> Optional[str]:
     """The installed version of ``package`` from its metadata, or None; never imports it. Read once per process:
     a release installed while a process runs is not the one it imported."""

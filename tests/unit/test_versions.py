@@ -143,3 +143,19 @@ def test_measured_and_inferred_releases_are_told_apart():
 def test_below_the_oldest_measured_release_is_refused(version):
     with pytest.raises(UnsupportedVersion, match=r"older than 4\.24\.0.*supported: 4\.24\.0 to 5\.25\.0"):
         behaviour_of(Stack(version, "0.15.0", "0.14.5"))
+
+
+def test_installed_versions_are_read_once_per_process(monkeypatch):
+    """Every run's start asks for them: reading a package's metadata costs about half a millisecond each time."""
+    from importlib import metadata
+
+    from stepsync.core import versions
+
+    reads = []
+    monkeypatch.setattr(metadata, "version", lambda package: reads.append(package) or "1.0.0")
+    versions.installed_version.cache_clear()
+    try:
+        assert [versions.installed_version("a-package") for _ in range(3)] == ["1.0.0"] * 3
+        assert reads == ["a-package"]
+    finally:
+        versions.installed_version.cache_clear()
