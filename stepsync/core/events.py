@@ -18,6 +18,7 @@ class Cause(str, Enum):
     OUTSIDE_ACCUMULATE = "backward outside accelerator.accumulate()"
     CAUGHT_UP = "the two counts agree again"
     ENGINE_NOT_STEPPED = "the engine's step() is never called (Fabric's optimizer.step() bypasses it)"
+    TWO_GS = "the engine accumulates another number of micro-batches per update than the framework counts"
     UNEXPLAINED = "unexplained"
 
 

@@ -107,7 +107,8 @@ class Framework:
             release table decides. ``engine_reason``: why the engine updates where it does, then.
         ends_epochs_under: the policies under which an epoch trains its whole windows only (the framework ends it
             there, or stepsync does), leaving its last partial window untrained.
-        g_setting: the name of its gradient accumulation setting, in messages.
+        g_setting: the name of its gradient accumulation setting, in messages; ``g_fix``: what makes it and the
+            engine's one G where they differ.
         plans_by_forecast: it plans no count of its own that stepsync can read (Lightning runs its epochs): the
             forecast's plan is taken as its plan.
         checks_every_micro_batch: both counts are compared after every micro-batch, not only where it counted an
@@ -136,6 +137,7 @@ class Framework:
     engine_reason: str = ""
     ends_epochs_under: FrozenSet[Policy] = frozenset()
     g_setting: str = "gradient_accumulation_steps"
+    g_fix: str = 'fix the DeepSpeed config (use "auto")'
     plans_by_forecast: bool = False
     checks_every_micro_batch: bool = False
     checkpoints: str = ""
@@ -191,6 +193,8 @@ ACCELERATE_LOOP = Framework(
     metric_keys=("stepsync/loop_steps", "stepsync/engine_steps", "stepsync/drift"),
     backward_call=BackwardCall.ACCELERATE, counts_by=TrainerRule.EPOCH_END, plans_by=PlannedSteps.CEIL,
     checkpoints="accelerate", packages=("accelerate", "deepspeed"),
+    g_fix="give Accelerator(gradient_accumulation_steps=...) the G your DeepSpeed config or plugin sets (accelerate "
+          "before 1.8 does not take it from there), or set it to \"auto\" there",
     refused={Policy.REALIGN: Refusal("cannot change your loop's own counter", (Policy.SYNC,),
                                      "keep policy 'warn' and adopt watch.report.engine_steps"),
              Policy.DROP_LAST: Refusal("cannot end your dataloader's epochs early", (Policy.SYNC,),

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Tuple
 
 from ..core.choices import FaultAnswer, Policy
 from ..core.errors import StepSyncConfigError
+from ..core.events import Cause
 from ..core.forecast import forecast
 from ..core.frameworks import BackwardCall, Framework
 from ..core.plan import RunPlan
@@ -116,7 +117,7 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None,
                        "forecast, the record in every checkpoint and the resume check ran, DeepSpeed's own checks (its "
                        "counter's boundary, each micro-batch's weight, skipped and non-finite updates, clipping) did "
                        "not")
-    _state_what_differs(run, start.framework.whose_g)
+    _state_what_differs(run, start.framework)
     if start.record_problem:
         run.voice.error(f"{start.record_problem}; the report covers this run only")
     _say_the_shift(run, start.shift)
@@ -134,14 +135,15 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None,
     return run, steering
 
 
-def _state_what_differs(run: Run, whose_g: str) -> None:
+def _state_what_differs(run: Run, framework: Framework) -> None:
     """Say once, at the start, what makes this run differ from what the forecast assumes."""
     if run.n is None:
         run.voice.note("the train dataloader has no length: no forecast, and 'sync'/'drop_last' cannot plan windows")
     engine_g = run.facts.gradient_accumulation_steps
     if engine_g not in (None, run.g):
-        _refuse_or_warn(run, f"the engine's gradient_accumulation_steps={engine_g} differs from {whose_g} {run.g}: "
-                             "fix the DeepSpeed config (use \"auto\")", "before the first micro-batch", error=True)
+        run.known_cause, run.remedy = Cause.TWO_GS, framework.g_fix
+        _refuse_or_warn(run, f"the engine's gradient_accumulation_steps={engine_g} differs from {framework.whose_g} "
+                             f"{run.g}: {framework.g_fix}", "before the first micro-batch", error=True)
     if not run.facts.managed_accumulation:
         run.voice.note("DeepSpeed's managed_gradient_accumulation is false: the engine updates at every step() call, "
                              "not at its own boundaries; the forecast assumes managed accumulation and will differ")
@@ -168,7 +170,11 @@ def start_training(run: Run, start: RunStart, resumed: bool = False) -> None:
         run.engine_steps_seen = run.engine_at_last_update = run.engine.global_steps
         run.updates.skipped_seen = run.engine.skipped_steps if run.counts_skips else 0
         _count_from(run, start.trainer_steps)
-    if start.plan is not None:
+    if start.plan is not None and run.known_cause is Cause.TWO_GS:
+        engine_g = run.facts.gradient_accumulation_steps
+        run.voice.note(f"no forecast: the engine's gradient_accumulation_steps is {engine_g} and "
+                       f"{start.framework.name} counts with {run.g}, and a forecast counts both with one G")
+    elif start.plan is not None:
         predicted = forecast(start.plan, start.behaviour, run.policy)
         predicted.resume_shift = start.shift
         if start.framework.plans_by_forecast:

@@ -10,7 +10,7 @@ from typing import Dict, Optional, Type
 from ..core import rules
 from ..core.choices import Policy
 from ..core.errors import NonFiniteUpdateError, StepDriftError, StepSyncConfigError, UpdateSkippedError
-from ..core.events import DriftEvent, NonFiniteUpdate, SkippedUpdate
+from ..core.events import Cause, DriftEvent, NonFiniteUpdate, SkippedUpdate
 from ..core.forecast import forecast
 from ..core.versions import EngineBoundary
 from .deepspeed import BoundaryOverride
@@ -95,6 +95,8 @@ class SyncAction(PolicyAction):
     def begin(self, run: RunView) -> Optional[Steering]:
         if run.behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER:
             return nothing_to_sync(run)
+        if run.known_cause is Cause.TWO_GS:
+            return not_one_g(run)
         if not run.facts.can_override_boundary:
             return fall_back(run, f"policy 'sync' cannot steer this engine: {run.facts.why_not}")
         if run.n is None:
@@ -158,6 +160,8 @@ class FollowTheLoop(SyncAction):
     def begin(self, run: RunView) -> Optional[Steering]:
         if run.behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER:
             return nothing_to_sync(run)
+        if run.known_cause is Cause.TWO_GS:
+            return not_one_g(run)
         if not run.facts.can_override_boundary:
             raise StepSyncConfigError(f"policy 'sync' cannot steer this engine: {run.facts.why_not}; use "
                                       "policy='warn'")
@@ -178,6 +182,16 @@ def already_follows(run: RunView) -> str:
         return f"without DeepSpeed the optimizer steps where {run.report.framework.name} counts an update"
     return (f"this accelerate already makes DeepSpeed's boundary follow {run.report.framework.name} "
             "(accelerate >= 1.8.0)")
+
+
+def not_one_g(run: RunView) -> Steering:
+    """Two Gs (the framework's windows are not the engine's): steering the engine to the framework's windows would
+    turn the engine's into the framework's (a loop counting every micro-batch would update at each), so sync
+    watches only, and says what makes them one G."""
+    run.voice.warn(f"policy 'sync' does not steer this run: the engine's gradient_accumulation_steps is "
+                   f"{run.facts.gradient_accumulation_steps} and {run.report.framework.name} counts with {run.g}, and "
+                   f"following its count would change what each update trains; make them one G first ({run.remedy})")
+    return Steering(replacement=WatchOnly(Policy.SYNC))
 
 
 def nothing_to_sync(run: RunView) -> Steering:

@@ -11,7 +11,7 @@ from enum import IntEnum
 from typing import Any, Optional, Protocol
 
 from ..core.choices import Policy
-from ..core.events import DriftEvent, NonFiniteUpdate, SkippedUpdate
+from ..core.events import Cause, DriftEvent, NonFiniteUpdate, SkippedUpdate
 from ..core.plan import RunPlan
 from ..core.report import SyncReport
 from ..core.versions import StackBehaviour
@@ -48,6 +48,8 @@ class RunView(Protocol):
     engine_steps_seen: int
     engine_moved_in_window: bool
     voice: Voice
+    known_cause: Optional[Cause]
+    remedy: str
 
     @property
     def policy(self) -> Policy: ...

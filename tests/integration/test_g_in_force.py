@@ -75,3 +75,27 @@ def test_a_bad_g_is_refused_naming_the_fix(bad):
 
     with pytest.raises(StepSyncConfigError, match="pass the positive int your code gave Accelerator"):
         stepsync.watch(object(), gradient_accumulation_steps=bad)
+
+
+@pytest.mark.parametrize("policy", ["warn", "sync"])
+def test_a_loop_whose_g_is_only_the_engines_is_held_to_the_windows_it_means(monkeypatch, policy):
+    """accelerate's examples/by_feature/checkpointing.py with G only in the DeepSpeed side (13 micro-batches per
+    epoch, G=3): before 1.8 the accelerator's own G stays 1, so the loop counts every micro-batch while the engine
+    updates every third. No forecast made with one G, every drift's cause named, the fix naming the accelerator;
+    sync never turns the engine's windows into one update per micro-batch (the engine's own record)."""
+    monkeypatch.delenv(VARIABLE, raising=False)
+    from stepsync.core.events import Cause
+
+    result = run_loop(13, 3, 2, policy, code_g=1, config_g=3, told_g=1)
+    assert result.error is None
+    if result.accelerator.gradient_accumulation_steps == result.engine.gradient_accumulation_steps():
+        pytest.skip("this accelerate takes the DeepSpeed config's G into the accelerator: one G (accelerate >= 1.8)")
+    report = result.watch.report
+    assert updates_at(result) == list(range(3, 27, 3))  # the truth: the engine's own windows, across epochs
+    assert (report.trainer_steps, report.engine_steps) == (result.loop_steps[-1], result.engine_steps[-1]) == (26, 8)
+    assert report.forecast is None and report.forecast_mismatches == []
+    assert report.events and {event.cause for event in report.events} <= {Cause.TWO_GS}
+    assert all("Accelerator(gradient_accumulation_steps=...)" in event.remedy for event in report.events)
+    assert not any("fix the DeepSpeed config" in note or "please report" in note for note in report.notes)
+    if policy == "sync":
+        assert any(note.startswith("policy 'sync' does not steer this run") for note in report.notes)

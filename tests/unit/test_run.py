@@ -449,3 +449,36 @@ def test_sync_sets_the_boundary_wherever_each_rule_counts_an_update():
         assert expected == [rules.is_trainer_boundary(rule, p, n, g, t_before) for p in range(skip + 1, n + 1)]
 
     check()
+
+
+def test_a_loop_whose_g_lives_only_in_the_engine_gets_no_forecast_and_every_drift_its_cause():
+    """accelerate's checkpointing.py example with G only in the DeepSpeed plugin (accelerate 1.7): the loop counts
+    every micro-batch, the engine every third. One forecast cannot count both; the fix names the accelerator."""
+    from stepsync.core.events import Cause
+
+    engine = FakeEngine(3)
+    run, count = loop_run("warn", 13, 1, 2, engine=engine)
+    report = run.report
+    assert (count, engine.global_steps) == (26, 8) and (report.trainer_steps, report.engine_steps) == (26, 8)
+    assert report.forecast is None and report.forecast_mismatches == []
+    assert any(note.startswith("no forecast: the engine's gradient_accumulation_steps is 3 and your loop counts with 1")
+               for note in report.notes)
+    said = next(note for note in report.notes if "gradient_accumulation_steps=3 differs" in note)
+    assert "Accelerator(gradient_accumulation_steps=...)" in said and "fix the DeepSpeed config" not in said
+    assert report.events and {event.cause for event in report.events} <= {Cause.TWO_GS, Cause.CAUGHT_UP}
+
+
+@pytest.mark.parametrize("framework", ["loop", "trainer"])
+def test_sync_never_turns_the_engines_windows_into_the_frameworks_where_the_gs_differ(framework):
+    """Following a count of G=1 would make the engine update at every micro-batch: sync watches only, says so, and
+    every drift names what makes them one G."""
+    engine = FakeEngine(3)
+    if framework == "loop":
+        run, _ = loop_run("sync", 13, 1, 2, engine=engine)
+    else:
+        run = drive("sync", 13, 1, 2, engine=engine)[0]
+    report = run.report
+    assert engine.global_steps == 8 and engine._is_gradient_accumulation_boundary is None
+    assert any(note.startswith("policy 'sync' does not steer this run: the engine's gradient_accumulation_steps is 3") for note in
+               report.notes)
+    assert report.events and all(event.remedy == run.remedy for event in report.events)
