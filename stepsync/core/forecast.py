@@ -48,8 +48,9 @@ def _simulate(plan: RunPlan, behaviour: StackBehaviour, policy: Policy, planned:
     n, g = plan.micro_batches_per_epoch, plan.gradient_accumulation_steps
     rule = behaviour.trainer_rule
     engine_follows = policy is Policy.SYNC or behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER
-    # a loop that steps the optimizer itself (Fabric's): the weights move at its count, the engine's count never
-    engine_still = not engine_follows and behaviour.engine_boundary is EngineBoundary.NEVER_STEPPED
+    # the engine closes windows of its own by its counter, unless it follows the framework or never steps (a loop
+    # that steps the optimizer itself, Fabric's: the weights move at its count, the engine's count never)
+    own_windows = not engine_follows and behaviour.engine_boundary is not EngineBoundary.NEVER_STEPPED
     per_epoch = updates_per_epoch(behaviour, n, g)
     every_epoch = behaviour.planned_steps is PlannedSteps.WHOLE  # Lightning runs its epochs; max_steps alone stops it
     if every_epoch:
@@ -74,7 +75,7 @@ def _simulate(plan: RunPlan, behaviour: StackBehaviour, policy: Policy, planned:
         first = start_position if epoch == start_epoch else 0
         if first >= last_position:
             continue
-        open_window = 0 if engine_follows or engine_still else counters.engine_micro % g
+        open_window = counters.engine_micro % g if own_windows else 0
         if open_window and epoch > start_epoch:
             result.straddling.append(epoch + 1)
         t_before = counters.trainer_micro - first  # the Trainer's counter before position 0 of this epoch
@@ -85,7 +86,7 @@ def _simulate(plan: RunPlan, behaviour: StackBehaviour, policy: Policy, planned:
         done_before = rules.trainer_updates(rule, first, n, g, t_before)
         trainer_made = rules.trainer_updates(rule, end, n, g, t_before) - done_before
         engine_made = (trainer_made if engine_follows else
-                       0 if engine_still else rules.engine_updates(ran, g, counters.engine_micro))
+                       rules.engine_updates(ran, g, counters.engine_micro) if own_windows else 0)
         if trainer_made:
             last_boundary = rules.trainer_boundary_position(rule, done_before + trainer_made, n, g, t_before)
             since_trainer_boundary = end - last_boundary
@@ -113,8 +114,7 @@ def _simulate(plan: RunPlan, behaviour: StackBehaviour, policy: Policy, planned:
             result.stopped_by_plan = True
             result.untrained_after_stop = last_position - end + (epochs_to_run - epoch - 1) * last_position
             break
-    result.unapplied_micro_batches = (since_trainer_boundary if engine_follows or engine_still
-                                      else counters.engine_micro % g)
+    result.unapplied_micro_batches = counters.engine_micro % g if own_windows else since_trainer_boundary
     opened_at = counters.engine_micro - result.unapplied_micro_batches
     if wipes and last_clear > opened_at:  # the engine's last window never closes: its cleared ones count there
         result.wiped_micro_batches -= last_clear - opened_at

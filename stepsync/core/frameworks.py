@@ -11,7 +11,14 @@ from .choices import Policy, unsupported
 from .errors import StepSyncConfigError
 
 
-class TrainerRule(str, Enum):
+class _Named(str, Enum):
+    """A member prints as its value in messages and tables, as the release rows print it."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class TrainerRule(_Named):
     """When the Trainer counts an update at micro-batch ``s`` (0-based in the epoch) of ``N``."""
 
     EPOCH_WINDOW = "epoch_window"  # (s+1) % G == 0 or (N <= G and s+1 == N)
@@ -19,30 +26,24 @@ class TrainerRule(str, Enum):
     EPOCH_END = "epoch_end"  # (s+1) % G == 0 or s+1 == N
     WHOLE_WINDOWS = "whole_windows"  # (s+1) % G == 0 only: an epoch's partial last window is never an update
 
-    def __str__(self) -> str:  # its value in messages and tables, as the release rows print it
-        return self.value
 
 
-class EngineBoundary(str, Enum):
+class EngineBoundary(_Named):
     """Who decides when the DeepSpeed engine updates."""
 
     MICRO_COUNTER = "micro_counter"  # engine.step() on every micro-batch: (micro_steps+1) % G == 0
     FOLLOWS_TRAINER = "follows_trainer"  # set_gradient_accumulation_boundary(sync_gradients) each micro-batch
     NEVER_STEPPED = "never_stepped"  # the loop steps the optimizer itself: the engine's count never moves
 
-    def __str__(self) -> str:  # its value in messages and tables, as the release rows print it
-        return self.value
 
 
-class PlannedSteps(str, Enum):
+class PlannedSteps(_Named):
     """How the Trainer plans ``max_steps`` from ``num_train_epochs``."""
 
     FLOOR = "floor"  # E * max(N // G, 1)
     CEIL = "ceil"  # E * ceil(N / G)
     WHOLE = "whole"  # E * (N // G), and the loop runs every epoch whatever it counts
 
-    def __str__(self) -> str:  # its value in messages and tables, as the release rows print it
-        return self.value
 
 
 class BackwardCall(str, Enum):
@@ -100,8 +101,6 @@ class Framework:
             updates it applies.
         backward_call: how it calls the engine's backward (:class:`BackwardCall`).
         key: its name on the command line (``--framework``).
-        releases: whose release table says how it counts: "transformers" (the Trainer's rows, with accelerate's
-            and DeepSpeed's) or "lightning".
         counts_by, plans_by, engine_stepped: where the framework's own loop fixes how it counts its updates, how
             it plans them and whether the engine steps, whatever the releases (a user's loop); None where the
             release table decides. ``engine_reason``: why the engine updates where it does, then.
@@ -113,7 +112,8 @@ class Framework:
             forecast's plan is taken as its plan.
         checks_every_micro_batch: both counts are compared after every micro-batch, not only where it counted an
             update (an engine ahead of it shows between its updates).
-        packages: the releases that decide how it counts (a forecast for another machine names them).
+        packages: the releases that decide how it counts (a forecast for another machine names them); with
+            "lightning" among them the Lightning rows say how it counts (:attr:`releases`), else the Trainer's.
         loss_divisions: how many times a micro-batch's loss is divided by G where its loop fixes that, whatever
             the releases (None: the release table says); ``caveat``: what the forecast cannot know of it.
         checkpoints: the folders ``stepsync inspect`` reads of it: "trainer" (``checkpoint-N``, and Ray Train's),
@@ -130,7 +130,6 @@ class Framework:
     remedy: Optional[str] = None
     schedules_on_its_count: bool = False
     backward_call: BackwardCall = BackwardCall.ENGINE
-    releases: str = "transformers"
     counts_by: Optional[TrainerRule] = None
     plans_by: Optional[PlannedSteps] = None
     engine_stepped: Optional[EngineBoundary] = None
@@ -144,6 +143,12 @@ class Framework:
     loss_divisions: Optional[int] = None
     caveat: str = ""
     packages: Tuple[str, ...] = ("transformers", "accelerate", "deepspeed")
+
+    @property
+    def releases(self) -> str:
+        """Whose release table says how it counts: "lightning", or "transformers" (the Trainer's rows, with
+        accelerate's and DeepSpeed's)."""
+        return "lightning" if "lightning" in self.packages else "transformers"
 
     def applied_to(self, behaviour: Any) -> Any:
         """What the installed releases do (a :class:`stepsync.core.versions.StackBehaviour`), run by this
@@ -178,7 +183,7 @@ TRAINER = Framework(
 LIGHTNING = Framework(
     name="Lightning", who="Lightning", counter="Lightning global_step",
     whose_g="Lightning's accumulate_grad_batches", key="lightning", backward_call=BackwardCall.LIGHTNING,
-    releases="lightning", ends_epochs_under=frozenset({Policy.SYNC, Policy.DROP_LAST}),
+    ends_epochs_under=frozenset({Policy.SYNC, Policy.DROP_LAST}),
     g_setting="accumulate_grad_batches", plans_by_forecast=True, checks_every_micro_batch=True,
     packages=("lightning", "deepspeed"),
     metric_keys=("stepsync/lightning_steps", "stepsync/engine_steps", "stepsync/drift"),
@@ -204,7 +209,7 @@ ACCELERATE_LOOP = Framework(
 # window) and runs every epoch; its optimizer.step() updates the weights without engine.step().
 FABRIC_LOOP = Framework(
     name="your Fabric loop", who="your loop", counter="your loop's optimizer.step() count",
-    whose_g="the DeepSpeed config's", key="fabric", releases="lightning", counts_by=TrainerRule.WHOLE_WINDOWS,
+    whose_g="the DeepSpeed config's", key="fabric", counts_by=TrainerRule.WHOLE_WINDOWS,
     plans_by=PlannedSteps.WHOLE, engine_stepped=EngineBoundary.NEVER_STEPPED,
     engine_reason="your Fabric loop steps the optimizer itself and never calls engine.step(): the engine's count "
                   "stays where it was",

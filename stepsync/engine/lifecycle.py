@@ -146,7 +146,7 @@ def _state_what_differs(run: Run, framework: Framework) -> None:
                              f"{run.g}: {framework.g_fix}", "before the first micro-batch", error=True)
     if not run.facts.managed_accumulation:
         run.voice.note("DeepSpeed's managed_gradient_accumulation is false: the engine updates at every step() call, "
-                             "not at its own boundaries; the forecast assumes managed accumulation and will differ")
+                       "not at its own boundaries; the forecast assumes managed accumulation and will differ")
     for caveat in run.behaviour.caveats:
         run.voice.note(caveat)
 

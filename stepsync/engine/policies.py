@@ -93,10 +93,9 @@ class SyncAction(PolicyAction):
         self.n = 0
 
     def begin(self, run: RunView) -> Optional[Steering]:
-        if run.behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER:
-            return nothing_to_sync(run)
-        if run.known_cause is Cause.TWO_GS:
-            return not_one_g(run)
+        unsteered = leaves_the_engine_alone(run)
+        if unsteered is not None:
+            return unsteered
         if not run.facts.can_override_boundary:
             return fall_back(run, f"policy 'sync' cannot steer this engine: {run.facts.why_not}")
         if run.n is None:
@@ -158,10 +157,9 @@ class FollowTheLoop(SyncAction):
     steers = Steers.NEVER
 
     def begin(self, run: RunView) -> Optional[Steering]:
-        if run.behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER:
-            return nothing_to_sync(run)
-        if run.known_cause is Cause.TWO_GS:
-            return not_one_g(run)
+        unsteered = leaves_the_engine_alone(run)
+        if unsteered is not None:
+            return unsteered
         if not run.facts.can_override_boundary:
             raise StepSyncConfigError(f"policy 'sync' cannot steer this engine: {run.facts.why_not}; use "
                                       "policy='warn'")
@@ -182,6 +180,15 @@ def already_follows(run: RunView) -> str:
         return f"without DeepSpeed the optimizer steps where {run.report.framework.name} counts an update"
     return (f"this accelerate already makes DeepSpeed's boundary follow {run.report.framework.name} "
             "(accelerate >= 1.8.0)")
+
+
+def leaves_the_engine_alone(run: RunView) -> Optional[Steering]:
+    """Where sync has nothing to steer (the engine already follows) or must not (two Gs): watch only, saying why."""
+    if run.behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER:
+        return nothing_to_sync(run)
+    if run.known_cause is Cause.TWO_GS:
+        return not_one_g(run)
+    return None
 
 
 def not_one_g(run: RunView) -> Steering:

@@ -6,19 +6,9 @@ import os
 import sys
 
 
-from harness.runs import end_process_group, final_parameters
+from harness.runs import save_final_parameters
 from harness.loops import run_loop
 
 
-def main(mode: str, out: str) -> None:
-    import torch
-
-    result = run_loop(5, 2, 2, "sync" if mode == "sync" else None)
-    if result.error is not None:
-        raise result.error
-    torch.save(final_parameters(result), out)
-
-
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
-    end_process_group()
+    save_final_parameters(run_loop(5, 2, 2, "sync" if sys.argv[1] == "sync" else None), sys.argv[2])

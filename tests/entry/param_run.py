@@ -7,21 +7,15 @@ import sys
 import tempfile
 
 
-from harness.runs import end_process_group, final_parameters, run_tiny
+from harness.runs import run_tiny, save_final_parameters
 
 
-def main(mode: str, out: str) -> None:
-    import torch
-
+def run(mode: str):
     from stepsync import StepSyncCallback
 
     callback = StepSyncCallback("sync", console=False) if mode == "sync" else None
-    result = run_tiny(tempfile.mkdtemp(), samples=5, gas=2, epochs=3, callback=callback)
-    if result.error is not None:
-        raise result.error
-    torch.save(final_parameters(result), out)
+    return run_tiny(tempfile.mkdtemp(), samples=5, gas=2, epochs=3, callback=callback)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
-    end_process_group()
+    save_final_parameters(run(sys.argv[1]), sys.argv[2])

@@ -218,6 +218,15 @@ def final_parameters(result: RunResult):
     return torch.cat([p.detach().float().flatten() for p in result.model.parameters()])
 
 
+def save_final_parameters(result, out: str) -> None:
+    """A child run's last word: its error raised, else its :func:`final_parameters` saved to ``out``, then its
+    process ended at once (:func:`end_process_group`)."""
+    import torch
+
+    if result.error is not None:
+        raise result.error
+    torch.save(final_parameters(result), out)
+    end_process_group()
 
 
 def two_ranks(script: str, out, *args: str, what: str = "two-process run") -> list:
