@@ -5,7 +5,10 @@ its PR 1498, OpenRLHF's dynamic batches), on CPU; probes/raw_loop.json keeps the
                                                            boundary (set_gradient_accumulation_boundary(i == K-1)
                                                            before each backward), config (the config's G=K),
                                                            late (False before each backward, True only before
-                                                           step(): K unknown until the step)
+                                                           step(): K unknown until the step), closed (as late,
+                                                           then one backward of a zero loss closes the window),
+                                                           unmanaged ("managed_gradient_accumulation": false in
+                                                           the config, DeepSpeed >= 0.19.4: step() is the boundary)
 
 Prints one JSON line: the engine's global_steps and micro_steps after the step, and each sample's share of the
 update (a one-hot linear model under plain SGD at lr 1 makes it exact: 1 is a micro-batch applied whole).
@@ -27,6 +30,7 @@ model = torch.nn.Linear(k, 1, bias=False)
 torch.nn.init.zeros_(model.weight)
 config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": k if mode == "config" else 1,
           "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0,
+          **({"managed_gradient_accumulation": False} if mode == "unmanaged" else {}),
           **({"bf16": {"enabled": True}} if bf16 else {})}
 engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=config)
 
@@ -39,11 +43,13 @@ def weights():
 before = weights()
 rows = torch.eye(k, dtype=torch.bfloat16 if bf16 else torch.float32)
 for i in range(k):
-    if mode in ("boundary", "late"):
+    if mode in ("boundary", "late", "closed"):
         engine.set_gradient_accumulation_boundary(mode == "boundary" and i == k - 1)
     engine.backward(engine(rows[i:i + 1]).sum())
-if mode == "late":
+if mode in ("late", "closed"):
     engine.set_gradient_accumulation_boundary(True)
+if mode == "closed":
+    engine.backward(engine.module.weight.reshape(-1)[0] * 0.0)
 engine.step()
 shares = [round(-(after - first).item(), 4) for after, first in zip(weights(), before)]
 print(json.dumps({"k": k, "stage": stage, "mode": mode, "bf16": bf16, "deepspeed": deepspeed.__version__,

@@ -18,7 +18,7 @@ _PUBLIC = {
     "SyncReport": "core.report",
     "Stack": "core.versions", "behaviour_of": "core.versions",
     "StepSyncCallback": "trainer.callback",
-    "watch": "accelerate.watch", "LoopWatch": "accelerate.watch",
+    "watch": "tools.watching", "LoopWatch": "accelerate.watch", "EngineWatch": "deepspeed.watch",
     "resume_settings": "tools.elastic", "ResumeSettings": "tools.elastic",
 }
 

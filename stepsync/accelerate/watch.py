@@ -22,7 +22,7 @@ from typing import Any, Optional, Tuple, Union
 from ..core.choices import Policy
 from ..core.errors import StepSyncConfigError, UnsupportedVersion
 from ..core.events import Cause
-from ..core.frameworks import ACCELERATE_LOOP, DEEPSPEED_LOOP
+from ..core.frameworks import ACCELERATE_LOOP
 from ..core.plan import RunPlan
 from ..core.versions import EngineBoundary, Stack, behaviour_of
 from ..display.output import ConsoleOutput
@@ -91,8 +91,8 @@ class LoopWatch(LoopAdapter):
     def _start(self, dataloader: Any, num_epochs: Optional[float], asked_g: Optional[int]) -> None:
         accelerator = self.accelerator
         if is_engine(accelerator):  # deepspeed.initialize's engine, driven by the loop itself
-            self.report = idle_report(DEEPSPEED_LOOP, self.policy, UNWATCHED_ENGINE, logging.WARNING)
-            return
+            raise StepSyncConfigError("this watch is for an accelerate Accelerator, and was given a DeepSpeed engine: "
+                                      "call stepsync.watch(engine), which watches a loop that drives it itself")
         if "DEEPSPEED" not in str(getattr(accelerator, "distributed_type", "")):
             self.report = idle_report(ACCELERATE_LOOP, self.policy,
                                       "the accelerator does not use DeepSpeed: nothing to check")
@@ -255,11 +255,6 @@ def g_asked(in_code: Optional[int], in_force: int) -> Tuple[Tuple[str, int, str]
                        'accelerate took the DeepSpeed config\'s "gradient_accumulation_steps" over it: set that to '
                        '"auto" or unset the variable'))
     return tuple(places)
-
-
-UNWATCHED_ENGINE = ("stepsync.watch() was given a DeepSpeed engine: stepsync does not watch a loop that drives the "
-                    "engine itself yet, and checks nothing in this run; `stepsync check --framework deepspeed` "
-                    "forecasts its updates against the plan")
 
 
 def watch(accelerator: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any = None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .events import DriftEvent, NonFiniteUpdate, SkippedUpdate
+    from .events import DriftEvent, LostGradients, NonFiniteUpdate, SkippedUpdate
 
 
 class StepSyncError(Exception):
@@ -38,6 +38,17 @@ class NonFiniteUpdateError(StepSyncError, FloatingPointError):
         self.update = update
         super().__init__(f"{update}; policy 'raise' stops before another update: find the micro-batch whose loss "
                          "is not finite")
+
+
+class GradientsLostError(StepSyncError, RuntimeError):
+    """Raised by policy ``'raise'`` before an update that would leave out micro-batches the loop gave it (several
+    backward() calls per step() on ZeRO 1 and 2); carries the :class:`LostGradients`. Nothing of it was applied."""
+
+    def __init__(self, lost: LostGradients) -> None:
+        self.lost = lost
+        super().__init__(f"{lost}; policy 'raise' stopped before that update: call "
+                         "engine.set_gradient_accumulation_boundary(i == last) before each backward(), or use "
+                         "policy='sync'")
 
 
 class UnsafeCheckpointError(StepSyncError, RuntimeError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from enum import Enum
-from typing import Optional
+from typing import Optional, Tuple
 
 
 class Cause(str, Enum):
@@ -19,6 +19,8 @@ class Cause(str, Enum):
     CAUGHT_UP = "the two counts agree again"
     ENGINE_NOT_STEPPED = "the engine's step() is never called (Fabric's optimizer.step() bypasses it)"
     TWO_GS = "the engine accumulates another number of micro-batches per update than the framework counts"
+    BACKWARDS_PER_STEP = ("your loop calls backward() several times per step() while the engine counts its windows "
+                          "in step() calls")
     UNEXPLAINED = "unexplained"
 
 
@@ -139,3 +141,38 @@ class NonFiniteUpdate:
                  f"an update at or before update {self.engine_steps} (checked at epoch ends)")
         return (f"{where} at epoch {self.epoch}, micro-batch {self.micro_batch} left weights that are not finite"
                 + (f": {self.why}" if self.why else ""))
+
+
+@dataclass(frozen=True)
+class LostGradients:
+    """An update the engine applied without some of the micro-batches of the window the loop closed: on ZeRO 1
+    and 2 every backward() at an accumulation boundary replaces the gradients reduced before it, so a loop that
+    calls backward() several times per step() keeps only those after the last boundary but one.
+
+    Attributes:
+        epoch: 1-based epoch.
+        micro_batch: the micro-batch of that epoch at which the loop called step().
+        engine_steps: the number of that update (the engine's count once it is made; policy 'raise' stops before
+            it is).
+        backwards: the loop's backward() calls since the engine's last update.
+        lost: of those, the ones whose gradients the update does not hold.
+        stage: the ZeRO stage.
+    """
+
+    epoch: int
+    micro_batch: int
+    engine_steps: int
+    backwards: int
+    lost: int
+    stage: int
+
+    def __str__(self) -> str:
+        return (f"update {self.engine_steps} at epoch {self.epoch}, micro-batch {self.micro_batch} holds "
+                f"{self.backwards - self.lost} of the {self.backwards} micro-batches your loop's backward() calls "
+                f"gave it: on ZeRO-{self.stage} each backward() at a boundary of the engine replaced the gradients "
+                f"before it, so {self.lost} micro-batch(es) trained nothing")
+
+    @property
+    def kept(self) -> Tuple[int, int]:
+        """(micro-batches the update holds, micro-batches the loop gave it)."""
+        return self.backwards - self.lost, self.backwards

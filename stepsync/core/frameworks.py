@@ -223,20 +223,22 @@ FABRIC_LOOP = Framework(
 
 # A loop that drives the engine itself, as DeepSpeed-Chat's training steps do: backward() and step() after every
 # micro-batch, the engine updating at every G-th by its own counter, across epochs, while the loop plans its LR
-# schedule as epochs * ceil(N / G) (its windows restart at each epoch). stepsync forecasts it; it does not watch it
-# yet, so the policies that would act on it are refused.
-_NOT_WATCHED = "needs stepsync to watch your DeepSpeed loop, which it does not yet"
+# schedule as epochs * ceil(N / G) (its windows restart at each epoch). A loop that calls backward() several times
+# per step() closes its own windows at each step() (the watch learns which at the first step()).
 DEEPSPEED_LOOP = Framework(
-    name="your DeepSpeed loop", who="your loop", counter="the updates your loop plans",
-    whose_g="the DeepSpeed config's", key="deepspeed", counts_by=TrainerRule.EPOCH_END, plans_by=PlannedSteps.CEIL,
+    name="your DeepSpeed loop", who="your loop", counter="loop windows", whose_g="the DeepSpeed config's",
+    key="deepspeed", counts_by=TrainerRule.EPOCH_END, plans_by=PlannedSteps.CEIL,
     engine_stepped=EngineBoundary.MICRO_COUNTER,
     engine_reason="your loop calls engine.step() after every micro-batch: the engine updates at every G-th by its "
                   "own counter, which never restarts at an epoch",
-    remedy="close each epoch's last window yourself: engine.set_gradient_accumulation_boundary(True) before its "
-           "last backward(), False before the others",
-    refused={policy: Refusal(_NOT_WATCHED, (Policy.WARN,), "close each epoch's last window yourself "
-                             "(engine.set_gradient_accumulation_boundary)")
-             for policy in (Policy.RAISE, Policy.SYNC, Policy.REALIGN, Policy.DROP_LAST)},
+    metric_keys=("stepsync/loop_steps", "stepsync/engine_steps", "stepsync/drift"),
+    remedy="use stepsync.watch(engine, policy='sync'), or close each epoch's last window yourself: "
+           "engine.set_gradient_accumulation_boundary(True) before its last backward(), False before the others",
+    g_fix="make the DeepSpeed config's gradient_accumulation_steps the windows your loop closes",
+    refused={Policy.REALIGN: Refusal("cannot change your loop's own count", (Policy.SYNC,),
+                                     "keep policy 'warn' and adopt watch.report.engine_steps"),
+             Policy.DROP_LAST: Refusal("cannot end your dataloader's epochs early", (Policy.SYNC,),
+                                       "drop each epoch's partial window in your loop")},
     packages=("deepspeed",))
 
 FRAMEWORKS = (TRAINER, LIGHTNING, ACCELERATE_LOOP, FABRIC_LOOP, DEEPSPEED_LOOP)

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional
 
 from .choices import Policy
-from .events import Counted, DriftEvent, NonFiniteUpdate, SkippedUpdate
+from .events import Counted, DriftEvent, LostGradients, NonFiniteUpdate, SkippedUpdate
 from .frameworks import TRAINER, Framework
 from .prediction import Forecast
 from .record import ResumeRecord
@@ -87,6 +87,8 @@ class SyncReport(Counted):
             probed (:mod:`stepsync.core.weights`), said before the first micro-batch.
         non_finite: where the weights were first found not finite after an update the engine applied
             (:class:`NonFiniteUpdate`); None while they are finite or where the engine checks its gradients.
+        lost_gradients: each update the engine applied without some of the micro-batches the loop gave it
+            (:class:`LostGradients`: several backward() calls per step() on ZeRO 1 and 2).
         updater: who makes the updates ``engine_steps`` counts: ``"engine"`` (DeepSpeed's ``global_steps``) or
             ``"optimizer"`` (its steps, in a run without DeepSpeed).
     """
@@ -116,6 +118,7 @@ class SyncReport(Counted):
     skipped_updates: List[SkippedUpdate] = field(default_factory=list)
     non_finite: Optional[NonFiniteUpdate] = None
     weight_faults: List[str] = field(default_factory=list)
+    lost_gradients: List[LostGradients] = field(default_factory=list)
     updater: str = "engine"
 
     @property
@@ -152,6 +155,9 @@ class SyncReport(Counted):
             lines.append(f"not finite: {self.non_finite}; the updates after it trained nothing")
         if self.epochs:
             lines.append(f"trained: {len(self.epochs)} epoch(s), {self.micro_batches} micro-batch(es)")
+        if self.lost_gradients:
+            lines.append(f"lost: {self.lost_micro_batches} micro-batch(es) in {len(self.lost_gradients)} update(s); "
+                         f"first {self.lost_gradients[0]}")
         if self.unapplied_micro_batches:
             lines.append(f"never applied: the last {self.unapplied_micro_batches} micro-batch(es), in the "
                          f"{self.updater}'s window that never closed")
@@ -168,6 +174,11 @@ class SyncReport(Counted):
     def applied_steps(self) -> int:
         """The engine's updates that it applied: those it counted, less those it skipped."""
         return self.engine_steps - self.engine_skipped
+
+    @property
+    def lost_micro_batches(self) -> int:
+        """Micro-batches the loop gave an update that the update does not hold (:attr:`lost_gradients`)."""
+        return sum(update.lost for update in self.lost_gradients)
 
     @property
     def lost_updates(self) -> List[SkippedUpdate]:

@@ -139,9 +139,10 @@ class Stack:
     deepspeed: str = NEWEST
 
     @classmethod
-    def installed(cls) -> Stack:
-        """The installed versions; a package that is not installed counts as :func:`assumed_release` says."""
-        return cls(*(installed_version(name) or assumed_release(name)
+    def installed(cls, packages: Tuple[str, ...] = ("transformers", "accelerate", "deepspeed")) -> Stack:
+        """The installed versions of ``packages`` (those that decide how a framework counts); any other, and one
+        that is not installed, counts as :func:`assumed_release` says."""
+        return cls(*((name in packages and installed_version(name)) or assumed_release(name)
                      for name in ("transformers", "accelerate", "deepspeed")))
 
     def __post_init__(self) -> None:

@@ -121,6 +121,9 @@ def summary_view(report: SyncReport) -> Panel:
     if len(lost) < len(report.skipped_updates):
         lines.append(f"\nfp16's loss scale skipped {len(report.skipped_updates) - len(lost)} update(s) while "
                      "searching for a scale (by design)")
+    if report.lost_gradients:
+        lines.append(f"\n{report.lost_micro_batches} micro-batch(es) your loop gave the engine's updates trained "
+                     f"nothing: first {report.lost_gradients[0]}", style="bold red")
     shift = report.resume_shift
     if shift is not None and not shift.exact:
         lines.append(f"\nresumed on another layout: {shift.message()}", style="bold red")
@@ -138,7 +141,8 @@ def summary_view(report: SyncReport) -> Panel:
     parts: List[Any] = [lines]
     if report.events:
         parts.append(events_table(report.events, report.framework.who))
-    troubled = report.drift or report.update_flaws or lost or (shift is not None and not shift.exact)
+    troubled = (report.drift or report.update_flaws or lost or report.lost_gradients
+                or (shift is not None and not shift.exact))
     return Panel(Group(*parts), title="stepsync summary", border_style="red" if troubled else "green")
 
 

@@ -6,6 +6,7 @@ from typing import Any, List, Optional, Tuple, TypeVar
 
 from ..core.report import SyncReport
 from .faults import Adapter
+from .run import Run
 
 Watch = TypeVar("Watch", bound="LoopAdapter")
 
@@ -45,6 +46,26 @@ class LoopAdapter(Adapter):
     run once; a context manager that closes on exit."""
 
     _patches: InstancePatches
+    loop_steps: int
+
+    def _micro_batch_begins(self, run: Run, last_unreported: bool) -> None:
+        """A loop whose updates come after its backward() calls, its epochs told apart by the dataloader's length:
+        the last micro-batch is counted where no update followed it, and an epoch begins where none is open or the
+        open one is full."""
+        if last_unreported:
+            run.after_micro_batch(False, self.loop_steps)
+        if run.epoch < 0:
+            run.begin_epoch()
+        elif run.n is not None and run.position >= run.n:
+            run.end_epoch(self.loop_steps)
+            run.begin_epoch()
+
+    def _loop_ends(self, run: Run, last_unreported: bool) -> None:
+        """The loop ended: its last micro-batch counted where no update followed it, and a full epoch ended."""
+        if last_unreported:
+            run.after_micro_batch(False, self.loop_steps)
+        if run.n is not None and run.position >= run.n:
+            run.end_epoch(self.loop_steps)
 
     def close(self) -> SyncReport:
         """Give the wrapped methods and the engine's boundary back; the report is final. Closing twice changes

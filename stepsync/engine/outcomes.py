@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
-from ..core.events import NonFiniteUpdate, SkippedUpdate
+from ..core.events import LostGradients, NonFiniteUpdate, SkippedUpdate
 from ..core.frameworks import NON_FINITE_METRIC, SKIPPED_METRIC
 from .deepspeed import EngineFacts, FiniteWeights, loss_scale
 from .messages import Voice
@@ -80,6 +80,17 @@ class Updates:
         if run.observing:
             run.observe(self.say_non_finite, update)
         run.action.on_non_finite_update(update)
+
+    def took_lost_gradients(self, run: Run, lost: LostGradients) -> None:
+        """An update is about to leave out micro-batches the loop gave it: kept, the first said at once (the
+        summary counts the rest), and given to the policy before the update is made."""
+        self.report.lost_gradients.append(lost)
+        if run.observing and len(self.report.lost_gradients) == 1:
+            run.observe(self.voice.warn, f"{lost}; call engine.set_gradient_accumulation_boundary(i == last) before "
+                                         "each backward() (or set \"managed_gradient_accumulation\": false in the "
+                                         "DeepSpeed config, where your DeepSpeed has it), or use policy='sync'; later "
+                                         "updates that lose micro-batches are counted in the report")
+        run.action.on_lost_gradients(lost)
 
     def metrics(self) -> dict:
         """What the updates did, beside each framework's counts: once there is something to say."""

@@ -9,8 +9,14 @@ from typing import Dict, Optional, Type
 
 from ..core import rules
 from ..core.choices import Policy
-from ..core.errors import NonFiniteUpdateError, StepDriftError, StepSyncConfigError, UpdateSkippedError
-from ..core.events import Cause, DriftEvent, NonFiniteUpdate, SkippedUpdate
+from ..core.errors import (
+    GradientsLostError,
+    NonFiniteUpdateError,
+    StepDriftError,
+    StepSyncConfigError,
+    UpdateSkippedError,
+)
+from ..core.events import Cause, DriftEvent, LostGradients, NonFiniteUpdate, SkippedUpdate
 from ..core.forecast import forecast
 from ..core.versions import EngineBoundary
 from .deepspeed import BoundaryOverride
@@ -53,6 +59,10 @@ class RaiseAction(PolicyAction):
     def on_non_finite_update(self, update: NonFiniteUpdate) -> None:
         # Every rank holds the whole weights, or agrees on its part through one all-reduce: every rank raises here.
         raise NonFiniteUpdateError(update)
+
+    def on_lost_gradients(self, lost: LostGradients) -> None:
+        # Every rank counts the same backward() calls and reads the same boundary: every rank raises here.
+        raise GradientsLostError(lost)
 
 
 class RealignAction(PolicyAction):
@@ -173,6 +183,12 @@ class FollowTheLoop(SyncAction):
         if self.override is not None:
             self.override.set(ends_window)
 
+    def closes_late(self, run: RunView) -> bool:
+        if self.override is None:
+            return False
+        self.override.set(True)
+        return True
+
 
 def already_follows(run: RunView) -> str:
     """Why the updates already follow the framework's count, in words."""
@@ -188,6 +204,10 @@ def leaves_the_engine_alone(run: RunView) -> Optional[Steering]:
         return nothing_to_sync(run)
     if run.known_cause is Cause.TWO_GS:
         return not_one_g(run)
+    if not run.facts.managed_accumulation:
+        run.voice.note("policy 'sync' does nothing here: DeepSpeed's managed_gradient_accumulation is false, so each "
+                       f"step() closes the window of {run.report.framework.name}'s backward() calls before it")
+        return Steering(replacement=WatchOnly(Policy.SYNC))
     return None
 
 

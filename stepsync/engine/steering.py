@@ -11,7 +11,7 @@ from enum import IntEnum
 from typing import Any, Optional, Protocol
 
 from ..core.choices import Policy
-from ..core.events import Cause, DriftEvent, NonFiniteUpdate, SkippedUpdate
+from ..core.events import Cause, DriftEvent, LostGradients, NonFiniteUpdate, SkippedUpdate
 from ..core.plan import RunPlan
 from ..core.report import SyncReport
 from ..core.versions import StackBehaviour
@@ -94,6 +94,11 @@ class PolicyAction:
         """Whether it decides the engine's boundary now (so a loop must make the engine step)."""
         return False
 
+    def closes_late(self, run: RunView) -> bool:
+        """The loop's window ends at a step() whose last backward ran at no boundary of the engine's (the loop
+        said where its window ends only by stepping): whether the action makes the engine close it there."""
+        return False
+
     def before_epoch(self, run: RunView) -> None:
         """Before the epoch's first micro-batch (at ``run.position + 1``) runs."""
 
@@ -116,6 +121,9 @@ class PolicyAction:
 
     def on_non_finite_update(self, update: NonFiniteUpdate) -> None:
         """When the weights are no longer finite after an update the engine applied."""
+
+    def on_lost_gradients(self, lost: LostGradients) -> None:
+        """Before an update that would leave out micro-batches the loop gave it."""
 
     def end(self, run: RunView) -> None:
         """At the end of training or when stepsync switches itself off: leave the engine as it was."""

@@ -124,13 +124,7 @@ class FabricWatch(LoopAdapter):
 
     @guarded(steering=True)
     def _before_backward(self, run: Run) -> None:
-        if not self._reported_micro_batch:  # the previous micro-batch ended without an optimizer.step()
-            run.after_micro_batch(False, self.loop_steps)
-        if run.epoch < 0:
-            run.begin_epoch()
-        elif run.n is not None and run.position >= run.n:
-            run.end_epoch(self.loop_steps)
-            run.begin_epoch()
+        self._micro_batch_begins(run, not self._reported_micro_batch)  # no optimizer.step() after the last one?
         self._reported_micro_batch = False
         ends_window, self._ends_window = self._ends_window, None
         if run.action.sets_the_boundary() and ends_window is None:
@@ -150,10 +144,7 @@ class FabricWatch(LoopAdapter):
     def _close(self) -> None:
         run = self._run
         if run is not None:
-            if not self._reported_micro_batch:
-                run.after_micro_batch(False, self.loop_steps)
-            if run.n is not None and run.position >= run.n:
-                run.end_epoch(self.loop_steps)
+            self._loop_ends(run, not self._reported_micro_batch)
         close_run(self.report, run, self.loop_steps)
 
 

@@ -3,14 +3,21 @@
 :func:`run_chat_loop` follows DeepSpeed-Chat's step-1 SFT loop (DeepSpeedExamples,
 applications/DeepSpeed-Chat/training/step1_supervised_finetuning/main.py): the LR schedule planned as
 ``epochs * ceil(len(train_dataloader) / G)`` updates and handed to ``deepspeed.initialize``, then
-``model.backward(loss)`` and ``model.step()`` after every micro-batch, the engine owning G. The model is one weight
-per sample and each micro-batch one sample's one-hot row, so each update's micro-batches are read from the weights.
+``model.backward(loss)`` and ``model.step()`` after every micro-batch, the engine owning G.
+
+:func:`run_learner_loop` follows open-instruct's learner (open_instruct/grpo_fast.py, its training step before its
+PR 1498): each micro-batch's loss divided by ``accumulation_steps``, ``self.model.backward(loss)`` on each, and
+``self.model.step()`` only ``if (local_step + 1) % accumulation_steps == 0``, the DeepSpeed config's G being 1.
+
+The model is one weight per sample and each micro-batch one sample's one-hot row under plain SGD at lr 1, so each
+update's micro-batches, and each one's share of it, are read from the weights.
 """
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
-from typing import Any, List
+from typing import Any, List, Optional
 
 from stepsync.tools.tiny_run import cpu_distributed_env
 
@@ -27,13 +34,33 @@ class ChatLoopRun:
     unapplied: int = 0
     updates: List[List[int]] = field(default_factory=list)
     watch: Any = None
+    error: Optional[BaseException] = None
 
 
-def run_chat_loop(samples: int, gas: int, epochs: int, stage: int = 0, watched: bool = False) -> ChatLoopRun:
-    """The loop above; ``watched``: ``stepsync.watch(engine)`` is called on its engine first."""
+def _watched(engine: Any, policy: Optional[str], **kwargs: Any) -> Any:
+    """``stepsync.watch(engine, ...)`` under ``policy``; None: not watched."""
+    if policy is None:
+        return None
+    import stepsync
+
+    return stepsync.watch(engine, policy=policy, console=False, **kwargs)
+
+
+def _weights(engine: Any) -> Any:
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([engine.module.weight]):
+        return engine.module.weight.detach().float().clone().flatten()
+
+
+def run_chat_loop(samples: int, gas: int, epochs: int, stage: int = 0, policy: Optional[str] = None) -> ChatLoopRun:
+    """The loop above; ``policy``: ``stepsync.watch(engine, policy=...)`` is called on its engine first (given the
+    loop's dataloader length and epochs)."""
     cpu_distributed_env()
     import deepspeed
     import torch
+
+    from stepsync.core.errors import StepSyncError
 
     torch.manual_seed(0)
     model = torch.nn.Linear(samples, 1, bias=False)
@@ -45,29 +72,88 @@ def run_chat_loop(samples: int, gas: int, epochs: int, stage: int = 0, watched: 
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
     engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                    config=config)
-    if watched:
-        import stepsync
-
-        run.watch = stepsync.watch(engine, console=False)
+    run.watch = _watched(engine, policy, dataloader=range(samples), num_epochs=epochs)
     rows = torch.eye(samples)
-
-    def weights():
-        with deepspeed.zero.GatheredParameters([engine.module.weight]):
-            return engine.module.weight.detach().clone().flatten()
-
-    last = weights()
-    for _ in range(epochs):
-        for step in range(samples):
-            loss = engine(rows[step:step + 1]).sum()
-            engine.backward(loss)
-            engine.step()
-            run.engine_steps.append(engine.global_steps)
-            now = weights()
-            if not torch.equal(now, last):
-                run.updates.append([i for i, moved in enumerate((now - last).tolist()) if abs(moved) > 1e-9])
-            last = now
-        run.epoch_ends.append(engine.global_steps)
+    last = _weights(engine)
+    try:
+        for _ in range(epochs):
+            for step in range(samples):
+                loss = engine(rows[step:step + 1]).sum()
+                engine.backward(loss)
+                engine.step()
+                run.engine_steps.append(engine.global_steps)
+                now = _weights(engine)
+                if not torch.equal(now, last):
+                    run.updates.append([i for i, moved in enumerate((now - last).tolist()) if abs(moved) > 1e-9])
+                last = now
+            run.epoch_ends.append(engine.global_steps)
+    except StepSyncError as exc:
+        run.error = exc
+    if run.watch is not None:
+        run.watch.close()
     run.scheduler_steps = scheduler.last_epoch
     run.unapplied = len(run.engine_steps) - engine.global_steps * gas
+    engine.destroy()
+    return run
+
+
+@dataclass
+class LearnerLoopRun:
+    """What the learner loop saw: the engine's count after each step(), each sample's share of the updates (1: its
+    micro-batch applied whole, 0: lost), and the error a policy raised."""
+
+    engine_steps: List[int] = field(default_factory=list)
+    shares: List[float] = field(default_factory=list)
+    watch: Any = None
+    error: Optional[BaseException] = None
+
+
+def run_learner_loop(accumulation_steps: int, steps: int, stage: int = 0, gas: int = 1, bf16: bool = False,
+                     policy: Optional[str] = None, set_boundary: bool = False, managed: bool = True) -> LearnerLoopRun:
+    """The learner loop above, ``steps`` times ``accumulation_steps`` micro-batches of distinct samples (this rank's
+    share of them where there are several ranks). ``gas``: the DeepSpeed config's G; ``set_boundary``: the loop sets
+    the engine's boundary itself before each backward (the fix); ``managed=False``: the config's
+    ``"managed_gradient_accumulation": false``."""
+    cpu_distributed_env()
+    import deepspeed
+    import torch
+
+    from stepsync.core.errors import StepSyncError
+
+    torch.manual_seed(0)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    samples = accumulation_steps * steps * world
+    model = torch.nn.Linear(samples, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0,
+              **({"bf16": {"enabled": True}} if bf16 else {}),
+              **({} if managed else {"managed_gradient_accumulation": False})}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                                      config=config)
+    run = LearnerLoopRun(watch=_watched(engine, policy))
+    rows = torch.eye(samples, dtype=torch.bfloat16 if bf16 else torch.float32)
+    before = _weights(engine)
+    local_step = 0
+    try:
+        for _ in range(steps):
+            for _ in range(accumulation_steps):
+                sample = local_step * world + rank
+                if set_boundary:
+                    engine.set_gradient_accumulation_boundary((local_step + 1) % accumulation_steps == 0)
+                loss = engine(rows[sample:sample + 1]).sum() / accumulation_steps
+                engine.backward(loss)
+                if (local_step + 1) % accumulation_steps == 0:
+                    engine.step()
+                    run.engine_steps.append(engine.global_steps)
+                local_step += 1
+    except StepSyncError as exc:
+        run.error = exc
+    if run.watch is not None:
+        run.watch.close()
+    # DeepSpeed averages each update over the ranks: a sample applied whole moves its weight by 1 / (K * ranks * G).
+    scale = accumulation_steps * world * gas
+    run.shares = [round(-(after - first).item() * scale, 3) for after, first in zip(_weights(engine), before)]
     engine.destroy()
     return run

@@ -30,15 +30,153 @@ def test_check_forecasts_a_deepspeed_chat_loop(samples, gas, epochs):
         assert forecast["drift"] == run.planned - run.epoch_ends[-1] > 0
 
 
-def test_watch_given_the_engine_says_it_checks_nothing_and_changes_nothing():
-    """Until stepsync watches raw DeepSpeed loops, stepsync.watch(engine) says so (not "the accelerator does not use
-    DeepSpeed"), touches nothing, and the run is the same as without it."""
+# ---------------------------------------------------------------- DeepSpeed-Chat's loop, watched
+
+def test_watch_holds_a_deepspeed_chat_loop_to_its_epochs_windows_and_changes_nothing():
+    """7 micro-batches per epoch, G=3, 2 epochs: the loop plans windows of 3, 3, 1 per epoch (6 updates); the engine
+    makes 4, its windows across the epoch's end. The report says so where it happens, as the loop itself saw it."""
     from harness.raw_loops import run_chat_loop
+    from stepsync.core.events import Cause
     from stepsync.core.frameworks import DEEPSPEED_LOOP
 
-    watched, plain = run_chat_loop(7, 3, 2, watched=True), run_chat_loop(7, 3, 2)
+    watched, plain = run_chat_loop(7, 3, 2, policy="warn"), run_chat_loop(7, 3, 2)
     report = watched.watch.report
-    assert not report.active and report.framework is DEEPSPEED_LOOP
-    assert "does not watch a loop that drives the engine itself yet" in report.inactive_reason
-    assert "check --framework deepspeed" in report.inactive_reason
+    assert report.framework is DEEPSPEED_LOOP and report.finished and report.active
     assert (watched.engine_steps, watched.updates) == (plain.engine_steps, plain.updates)
+    assert plain.updates == [[0, 1, 2], [3, 4, 5], [0, 1, 6], [2, 3, 4]]  # the engine's windows, read from the weights
+    assert (report.trainer_steps, report.engine_steps) == (plain.planned, plain.scheduler_steps) == (6, 4)
+    assert [(e.epoch, e.micro_batch, e.drift, e.cause) for e in report.events] == [
+        (1, 7, 1, Cause.PARTIAL_WINDOW), (2, 7, 2, Cause.PARTIAL_WINDOW)]
+    assert [(row.trainer_steps, row.engine_steps) for row in report.epochs] == [(3, 2), (6, 4)]
+    assert [row.engine_steps for row in report.forecast.epochs] == plain.epoch_ends
+    assert report.forecast_mismatches == []
+    assert report.unapplied_micro_batches == plain.unapplied == 2
+
+
+def test_sync_makes_a_deepspeed_chat_loop_update_at_its_own_windows():
+    """policy 'sync': each epoch's last partial window is closed: 6 updates, the windows the loop planned, the LR
+    schedule finished."""
+    from harness.raw_loops import run_chat_loop
+
+    run = run_chat_loop(7, 3, 2, stage=2, policy="sync")
+    report = run.watch.report
+    assert run.updates == [[0, 1, 2], [3, 4, 5], [6], [0, 1, 2], [3, 4, 5], [6]]
+    assert run.epoch_ends == [3, 6] and run.scheduler_steps == run.planned == 6
+    assert (report.trainer_steps, report.engine_steps, report.events) == (6, 6, [])
+    assert report.unapplied_micro_batches == 0 and report.forecast.drift == 0
+
+
+def test_raise_stops_a_deepspeed_chat_loop_at_its_first_partial_window():
+    from harness.raw_loops import run_chat_loop
+    from stepsync.core.errors import StepDriftError
+
+    run = run_chat_loop(7, 3, 2, policy="raise")
+    assert isinstance(run.error, StepDriftError)
+    assert (run.error.event.epoch, run.error.event.micro_batch, run.error.event.drift) == (1, 7, 1)
+    assert run.engine_steps == [0, 0, 1, 1, 1, 2] and run.updates == [[0, 1, 2], [3, 4, 5]]  # stopped in step() 7
+
+
+# ---------------------------------------------------------------- open-instruct's learner: K backward() per step()
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_several_backwards_per_step_lose_micro_batches_on_zero_1_and_2_and_the_watch_counts_each(stage):
+    """K=4 backward() calls, then step(), the config's G=1, 2 steps: ZeRO 1 and 2 apply only the last micro-batch of
+    each window (read from the weights, with and without the watch alike); the report counts the 6 others."""
+    from harness.raw_loops import run_learner_loop
+
+    plain, watched = run_learner_loop(4, 2, stage), run_learner_loop(4, 2, stage, policy="warn")
+    replaces = stage in (1, 2)
+    assert plain.shares == watched.shares == ([0.0, 0.0, 0.0, 1.0] * 2 if replaces else [1.0] * 8)
+    assert plain.engine_steps == watched.engine_steps == [1, 2]
+    report = watched.watch.report
+    assert (report.trainer_steps, report.engine_steps, report.events) == (2, 2, [])
+    assert [lost.kept for lost in report.lost_gradients] == ([(1, 4), (1, 4)] if replaces else [])
+    assert report.lost_micro_batches == (6 if replaces else 0)
+    assert [(lost.epoch, lost.micro_batch, lost.engine_steps) for lost in report.lost_gradients] == (
+        [(1, 4, 1), (1, 8, 2)] if replaces else [])
+    assert ("trained nothing" in str(report)) is replaces
+
+
+@pytest.mark.parametrize("stage, bf16", [(0, False), (1, False), (2, False), (3, False), (1, True), (2, True)])
+def test_sync_makes_each_step_one_update_of_every_micro_batch(stage, bf16):
+    """policy 'sync': the boundary is set at no backward(), then at the step() (on ZeRO 1 and 2 one backward() of a
+    zero loss closes the window): every micro-batch applied whole, one update per step()."""
+    from harness.raw_loops import run_learner_loop
+
+    run = run_learner_loop(4, 2, stage, bf16=bf16, policy="sync")
+    assert run.error is None and run.shares == [1.0] * 8 and run.engine_steps == [1, 2]
+    report = run.watch.report
+    assert (report.trainer_steps, report.engine_steps, report.lost_gradients, report.events) == (2, 2, [], [])
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_raise_stops_before_an_update_that_would_lose_micro_batches(stage):
+    from harness.raw_loops import run_learner_loop
+    from stepsync.core.errors import GradientsLostError
+
+    run = run_learner_loop(4, 2, stage, policy="raise")
+    assert isinstance(run.error, GradientsLostError) and run.error.lost.kept == (1, 4)
+    assert run.engine_steps == [] and run.shares == [0.0] * 8  # nothing of that update was applied
+
+
+def test_the_loops_own_fix_and_deepspeeds_unmanaged_accumulation_lose_nothing_and_are_said_nothing():
+    """The loop that sets the boundary itself before each backward(), and a config with
+    "managed_gradient_accumulation": false (each step() the boundary): every micro-batch applied, nothing reported;
+    'sync' leaves the unmanaged engine alone, saying why."""
+    from harness.raw_loops import run_learner_loop
+
+    for run in (run_learner_loop(4, 2, 2, set_boundary=True, policy="warn"),
+                run_learner_loop(4, 2, 2, managed=False, policy="warn")):
+        report = run.watch.report
+        assert run.shares == [1.0] * 8 and run.engine_steps == [1, 2]
+        assert (report.trainer_steps, report.engine_steps, report.lost_gradients, report.events) == (2, 2, [], [])
+        assert not any("backward()" in note for note in report.notes)
+    unmanaged = run_learner_loop(4, 2, 2, managed=False, policy="sync")
+    assert unmanaged.shares == [1.0] * 8
+    assert any("managed_gradient_accumulation is false" in note for note in unmanaged.watch.report.notes)
+
+
+def test_several_backwards_per_step_with_the_configs_g_drift_with_their_cause_named():
+    """The config's G=2 with K=4 backward() calls per step(): the engine updates at every 2nd step() and on ZeRO-2
+    keeps only the last micro-batch of the 8; the drift's cause and the fix are named. 'sync' makes each step() an
+    update and says that DeepSpeed still divides each loss by 2."""
+    from harness.raw_loops import run_learner_loop
+    from stepsync.core.events import Cause
+
+    run = run_learner_loop(4, 2, 2, gas=2, policy="warn")
+    report = run.watch.report
+    assert run.engine_steps == [0, 1] and run.shares == [0.0] * 7 + [1.0]
+    assert [(e.micro_batch, e.drift, e.cause) for e in report.events] == [(4, 1, Cause.BACKWARDS_PER_STEP)]
+    assert "set gradient_accumulation_steps to 1" in report.events[0].remedy
+    assert [lost.kept for lost in report.lost_gradients] == [(1, 8)]
+    synced = run_learner_loop(4, 2, 2, gas=2, policy="sync")
+    assert synced.engine_steps == [1, 2] and synced.shares == [1.0] * 8  # each micro-batch weighs 1 / (4 * 2)
+    assert any("still divides each micro-batch's loss by 2" in note for note in synced.watch.report.notes)
+
+
+def test_watch_given_an_engine_refuses_what_it_cannot_do():
+    from harness.raw_loops import run_learner_loop
+    from stepsync.core.errors import StepSyncConfigError
+
+    for policy, fix in (("realign", "adopt watch.report.engine_steps"), ("drop_last", "partial window in your loop")):
+        with pytest.raises(StepSyncConfigError, match=fix):
+            run_learner_loop(4, 1, 0, policy=policy)
+
+
+def test_two_ranks_lose_the_same_micro_batches_and_sync_and_raise_act_on_both(tmp_path):
+    """2 ranks (torchrun, gloo), ZeRO-2, K=4: each update holds each rank's last micro-batch only (the weights, every
+    sample of both ranks); both ranks report the same loss, 'sync' applies all 16 micro-batches, 'raise' stops both
+    before the first update."""
+    from harness.paths import entry_script
+    from harness.runs import two_ranks
+
+    *ranks, _ = two_ranks(entry_script("raw_loop_ranks.py"), tmp_path)
+    assert ranks[0] == ranks[1]  # every rank saw the same weights, counts and losses
+    seen = ranks[0]
+    assert seen["none"]["world_size"] == 2
+    kept_last = [0.0] * 6 + [1.0] * 2  # samples 6 and 7 are the two ranks' 4th micro-batch of the first step
+    assert seen["none"]["shares"] == seen["warn"]["shares"] == kept_last * 2
+    assert seen["warn"]["counts"] == [2, 2] and seen["warn"]["lost"] == [[1, 4], [1, 4]]
+    assert seen["sync"]["shares"] == [1.0] * 16 and seen["sync"]["lost"] == [] and seen["sync"]["counts"] == [2, 2]
+    assert seen["raise"]["error"] == "GradientsLostError" and seen["raise"]["shares"] == [0.0] * 16
+    assert seen["raise"]["engine_steps"] == []

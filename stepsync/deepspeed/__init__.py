@@ -1,0 +1,1 @@
+"""The adapter for a loop that drives DeepSpeed's engine itself: ``stepsync.watch(engine)``."""

@@ -1,0 +1,254 @@
+"""``stepsync.watch(engine)``: the check, and the fix, for a loop that drives DeepSpeed's engine itself.
+
+Loops that call ``deepspeed.initialize`` and drive the engine themselves come in two shapes:
+
+- ``backward()`` and ``step()`` on every micro-batch, the engine owning G (DeepSpeed-Chat's training steps): the loop
+  plans its windows, and its LR schedule, per epoch (``epochs * ceil(N / G)``), while the engine updates at every
+  G-th micro-batch by its own counter, which never restarts at an epoch;
+- several ``backward()`` calls, then one ``step()`` (RL learners: open-instruct, OpenRLHF): the loop's window is what
+  it gave ``backward()`` since its last ``step()``, while the engine counts its windows in ``step()`` calls, and on
+  ZeRO 1 and 2 every ``backward()`` at one of its boundaries replaces the gradients reduced before it.
+
+The watch wraps the engine instance's ``backward`` and ``step`` and learns the loop's shape at its first ``step()``,
+where it makes the forecast. Under ``sync`` the engine's boundary is set before each ``backward()`` where the loop's
+window is known to end (an epoch's windows of G), else to no boundary; a ``step()`` that ends the loop's window
+makes it the boundary, and on ZeRO 1 and 2, where the boundary must come at a ``backward()``, one ``backward()`` of
+a zero loss closes it (it adds nothing and reduces every gradient of the window: exact, as probed).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, Optional, Union
+
+from ..core import rules
+from ..core.choices import Policy
+from ..core.errors import StepSyncConfigError, UnsupportedVersion
+from ..core.events import Cause, LostGradients
+from ..core.frameworks import DEEPSPEED_LOOP
+from ..core.plan import RunPlan
+from ..core.versions import Stack, behaviour_of
+from ..display.output import ConsoleOutput
+from ..engine.deepspeed import is_engine
+from ..engine.faults import guarded
+from ..engine.lifecycle import RunStart, close_run, idle_report, open_run, start_training
+from ..engine.loop_objects import InstancePatches, LoopAdapter, length_of
+from ..engine.policies import loop_action_for
+from ..engine.run import Run
+
+SEVERAL_BACKWARDS = ("your loop called backward() {k} times before step(), and the engine counts its windows in "
+                     "step() calls (gradient_accumulation_steps={g} in the DeepSpeed config): {effect}; set "
+                     "gradient_accumulation_steps to 1 in the config")
+SEVERAL_BACKWARDS_EFFECT = {
+    False: "it updates at every {g}-th step(), not at each",
+    True: "policy 'sync' makes each step() an update, but DeepSpeed still divides each micro-batch's loss by {g}",
+}
+
+
+def zero_loss(engine: Any) -> Any:
+    """A loss of exactly zero that reaches every trainable parameter: its backward() adds nothing to any gradient and,
+    at a boundary, makes ZeRO 1 and 2 reduce every gradient accumulated since the engine's last update."""
+    return sum(p.reshape(-1)[:1].sum() for p in engine.module.parameters() if p.requires_grad) * 0.0
+
+
+class EngineWatch(LoopAdapter):
+    """Watches one loop that drives DeepSpeed's engine itself; made by :func:`watch`. A context manager, or call
+    :meth:`close` after the loop: that gives ``backward``, ``step`` and the engine's boundary back.
+
+    A failure inside stepsync never reaches your loop (it is logged once, and a failure of its steering gives
+    DeepSpeed its own boundary back), except under ``policy="raise"``.
+
+    Attributes:
+        report: the same :class:`stepsync.SyncReport` the callback keeps; ``trainer_steps`` counts your loop's
+            windows (each ``step()`` after several ``backward()`` calls, or each epoch's windows of G where it steps
+            after every micro-batch).
+        loop_steps: that count, live.
+    """
+
+    def __init__(self, engine: Any, policy: Policy, dataloader: Any, num_epochs: Optional[float],
+                 console: Any) -> None:
+        self.engine, self.policy = engine, policy
+        self.output = ConsoleOutput(console)
+        self.report = idle_report(DEEPSPEED_LOOP, policy)
+        self.loop_steps = 0
+        self._run: Optional[Run] = None
+        self._patches = InstancePatches()
+        self._opened: Optional[RunStart] = None  # what the run opened from, until the loop's first step()
+        self._per_micro_batch: Optional[bool] = None  # the loop steps after every backward(): known at its 1st step
+        self._backwards = 0  # backward() calls since the loop's last step()
+        self._pending = False  # the last backward's micro-batch is not in the run's count yet (no step() after it)
+        self._at_boundary = False  # the last backward() ran at a boundary of the engine's
+        self._since_update = 0  # backward() calls since the engine's last update
+        self._marks = (0, 0)  # of those, how many had run at the last two backward() calls at a boundary
+        self._replaces = False  # ZeRO 1-2 under the engine's own accumulation: a boundary replaces the one before
+        self._counts_update = False
+        self._start(dataloader, num_epochs)
+
+    @property
+    def run(self) -> Optional[Run]:
+        """The run being watched; None before, and once stepsync switched itself off."""
+        return self._run
+
+    def _start(self, dataloader: Any, num_epochs: Optional[float]) -> None:
+        engine = self.engine
+        if not is_engine(engine):
+            raise StepSyncConfigError(f"stepsync.watch() was given {type(engine).__name__}, not a DeepSpeed engine: "
+                                      "pass the engine deepspeed.initialize(...) returned, or the accelerate "
+                                      "Accelerator after accelerator.prepare(...)")
+        try:
+            behaviour = DEEPSPEED_LOOP.applied_to(behaviour_of(Stack.installed(DEEPSPEED_LOOP.packages)))
+        except UnsupportedVersion as exc:
+            self.report = idle_report(DEEPSPEED_LOOP, self.policy, f"{exc}; stepsync cannot check this run",
+                                      logging.WARNING)
+            return
+        g = engine.gradient_accumulation_steps()
+        n = length_of(dataloader)
+        start = engine.global_steps  # a loop that loaded a checkpoint first: its count is taken as the engine's
+        plan = None if n is None or num_epochs is None else RunPlan(n, g, num_epochs, -1, start, start)
+        self._opened = RunStart(DEEPSPEED_LOOP, self.policy, engine, behaviour, n, g, self.output,
+                                is_main=int(getattr(engine, "global_rank", 0) or 0) == 0, trainer_steps=start,
+                                plan=plan, action=loop_action_for(self.policy))
+        run, _ = open_run(self._opened, self._keep, training_starts=False)
+        self.loop_steps = start
+        facts = run.facts
+        self._replaces = facts.zero_stage in (1, 2) and facts.managed_accumulation
+        if start:
+            run.voice.note(f"the engine had made {start} update(s) before stepsync.watch(): your loop's count is taken "
+                           "to start there")
+        if n is None:
+            run.voice.note("no dataloader length: pass dataloader=... to stepsync.watch() to tell its epochs apart "
+                           "and for a forecast")
+        self._wrap()
+
+    def _keep(self, run: Run) -> None:
+        self._run, self.report = run, run.report
+
+    def _wrap(self) -> None:
+        engine = self.engine
+        backward, step = engine.backward, engine.step
+
+        @functools.wraps(backward)
+        def watched_backward(loss, *args, **kwargs):
+            self._before_backward()
+            return backward(loss, *args, **kwargs)
+
+        @functools.wraps(step)
+        def watched_step(*args, **kwargs):
+            self._before_step(backward)
+            result = step(*args, **kwargs)
+            self._after_step()
+            return result
+
+        self._patches.set(engine, "backward", watched_backward)
+        self._patches.set(engine, "step", watched_step)
+
+    # ------------------------------------------------------------ every micro-batch
+
+    def _ends_window(self, run: Run, position: int) -> bool:
+        """Whether the loop's window ends at ``position`` (1-based in the epoch) of a loop that steps after every
+        micro-batch: its epoch's windows of G, the last one partial."""
+        return rules.is_trainer_boundary(run.behaviour.trainer_rule, position, run.n or 0, run.g)
+
+    @guarded(steering=True)
+    def _before_backward(self, run: Run) -> None:
+        self._micro_batch_begins(run, self._pending)  # no step() after the last one?
+        self._pending = True
+        self._backwards += 1
+        self._since_update += 1
+        run.before_micro_batch(bool(self._per_micro_batch) and self._ends_window(run, run.position + 1))
+        if self._replaces or run.action.sets_the_boundary():
+            self._at_boundary = bool(self.engine.is_gradient_accumulation_boundary())
+            if self._at_boundary:
+                self._marks = (self._marks[1], self._since_update)
+
+    @guarded(steering=True)
+    def _before_step(self, run: Run, backward: Any) -> None:
+        k, engine = self._backwards, self.engine
+        if self._per_micro_batch is None:
+            self._first_step(run, k)
+        elif k > 1:
+            self._per_micro_batch = False
+        position = run.position + (1 if self._pending else 0)
+        self._counts_update = ends = (not self._per_micro_batch or not run.facts.managed_accumulation
+                                      or self._ends_window(run, position))
+        if ends and k and not self._at_boundary and run.action.closes_late(run):
+            if self._replaces:
+                backward(zero_loss(engine))  # DeepSpeed's own backward: the watch counts no micro-batch for it
+            self._marks, self._at_boundary = (self._marks[1], self._since_update), True
+        if self._replaces and self._at_boundary and self._marks[0] and engine.is_gradient_accumulation_boundary():
+            lost = LostGradients(run.epoch + 1, position, engine.global_steps + 1, self._since_update, self._marks[0],
+                                 run.facts.zero_stage or 0)
+            run.updates.took_lost_gradients(run, lost)
+
+    def _first_step(self, run: Run, k: int) -> None:
+        """The loop's first step(): its shape is known, and training starts (the forecast is made for a loop that
+        steps after every micro-batch)."""
+        opened, self._opened = self._opened, None
+        assert opened is not None
+        self._per_micro_batch = k <= 1
+        g = run.facts.gradient_accumulation_steps or run.g
+        if k > 1 and g > 1 and run.facts.managed_accumulation:
+            run.known_cause = Cause.BACKWARDS_PER_STEP
+            run.remedy = "set gradient_accumulation_steps to 1 in the DeepSpeed config"
+            effect = SEVERAL_BACKWARDS_EFFECT[run.action.sets_the_boundary()].format(g=g)
+            run.voice.warn(SEVERAL_BACKWARDS.format(k=k, g=g, effect=effect))
+        if opened.plan is not None and not run.facts.managed_accumulation:
+            run.voice.note("no forecast: DeepSpeed's managed_gradient_accumulation is false, so every step() is an "
+                           "update, not the epoch's windows of G a forecast counts")
+            opened = dataclasses.replace(opened, plan=None)
+        elif opened.plan is not None and k > 1:
+            run.voice.note(f"no forecast: your loop called backward() {k} times before its first step(), so its "
+                           "windows are its own, not the epoch's windows of G a forecast counts")
+            opened = dataclasses.replace(opened, plan=None)
+        start_training(run, opened)
+
+    @guarded(steering=True)
+    def _after_step(self, run: Run) -> None:
+        if self._counts_update:
+            self.loop_steps += 1
+        self._pending, self._backwards = False, 0
+        before = run.engine_steps_seen
+        run.after_micro_batch(self._counts_update, self.loop_steps)
+        if run.engine_steps_seen != before:
+            self._since_update, self._marks = 0, (0, 0)
+
+    # ------------------------------------------------------------ end
+
+    @guarded(steering=True, needs_run=False)
+    def _close(self) -> None:
+        run = self._run
+        if run is not None:
+            self._loop_ends(run, self._pending)
+        close_run(self.report, run, self.loop_steps)
+
+
+def watch(engine: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any = None,
+          num_epochs: Optional[float] = None, console: Any = None) -> EngineWatch:
+    """Watch a loop that drives DeepSpeed's engine itself; call it after ``deepspeed.initialize(...)``.
+
+    Args:
+        engine: the engine ``deepspeed.initialize`` returned.
+        policy: ``"warn"`` (report only), ``"raise"`` (stop at the first divergence, and before an update that
+            would leave out micro-batches your loop gave it) or ``"sync"`` (the engine updates where your loop's
+            window ends: at each ``step()`` after several ``backward()`` calls, at each epoch's windows of G where
+            it steps after every micro-batch). ``"realign"`` and ``"drop_last"`` are refused.
+        dataloader: the training dataloader, one micro-batch per ``backward()`` (its length tells the epochs apart
+            and makes the forecast).
+        num_epochs: the epochs the loop runs, for the forecast.
+        console: as for :class:`stepsync.StepSyncCallback`.
+
+    Raises:
+        StepSyncConfigError: (a ``ValueError``) an unknown or refused policy, or not an engine.
+
+    Example::
+
+        engine, _, train_dataloader, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, ...)
+        with stepsync.watch(engine, policy="sync", dataloader=train_dataloader, num_epochs=2) as sync:
+            for epoch in range(2):
+                for batch in train_dataloader:
+                    engine.backward(engine(**batch).loss)
+                    engine.step()
+        print(sync.report)
+    """
+    return EngineWatch(engine, DEEPSPEED_LOOP.parse_policy(policy), dataloader, num_epochs, console)

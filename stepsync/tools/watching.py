@@ -1,0 +1,40 @@
+"""``stepsync.watch``: one entry point for the loops stepsync watches, chosen by what it is given."""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from ..accelerate.watch import LoopWatch
+from ..accelerate.watch import watch as watch_accelerator
+from ..core.choices import Policy
+from ..core.errors import StepSyncConfigError
+from ..deepspeed.watch import EngineWatch
+from ..deepspeed.watch import watch as watch_engine
+from ..engine.deepspeed import is_engine
+
+
+def watch(loop: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any = None,
+          num_epochs: Optional[float] = None, console: Any = None,
+          gradient_accumulation_steps: Optional[int] = None) -> Union[LoopWatch, EngineWatch]:
+    """Watch a custom training loop on DeepSpeed: give it the loop's ``accelerate.Accelerator`` (after
+    ``accelerator.prepare(...)``) or the engine ``deepspeed.initialize(...)`` returned, for a loop that drives the
+    engine itself.
+
+    Args:
+        loop: the Accelerator, or the DeepSpeed engine.
+        policy: ``"warn"``, ``"raise"`` or ``"sync"``; ``"realign"`` and ``"drop_last"`` are refused (stepsync cannot
+            change your loop's count or end its dataloader's epochs).
+        dataloader: the training dataloader (its length tells the epochs apart, and makes the forecast).
+        num_epochs: the epochs the loop runs, for the forecast.
+        console: as for :class:`stepsync.StepSyncCallback`.
+        gradient_accumulation_steps: an accelerate loop's only: the G your code gave ``Accelerator(...)``.
+
+    Returns the watch (:class:`stepsync.LoopWatch`, or :class:`stepsync.deepspeed.watch.EngineWatch` for an engine):
+    a context manager; its ``report`` is the run's. Each kind's own ``watch`` says more
+    (``stepsync.accelerate.watch.watch``, ``stepsync.deepspeed.watch.watch``).
+    """
+    if not is_engine(loop):
+        return watch_accelerator(loop, policy, dataloader, num_epochs, console, gradient_accumulation_steps)
+    if gradient_accumulation_steps is not None:
+        raise StepSyncConfigError("gradient_accumulation_steps is for an accelerate loop: a DeepSpeed engine's G is "
+                                  "its config's; leave it out")
+    return watch_engine(loop, policy, dataloader, num_epochs, console)
