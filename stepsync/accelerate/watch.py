@@ -14,6 +14,7 @@ Nothing else is touched; under ``warn`` the run is exactly what it would be with
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -26,7 +27,7 @@ from ..core.frameworks import ACCELERATE_LOOP
 from ..core.plan import RunPlan
 from ..core.versions import EngineBoundary, Stack, behaviour_of
 from ..display.output import ConsoleOutput
-from ..engine.deepspeed import engine_facts, is_engine
+from ..engine.deepspeed import engine_facts, is_engine, zero_loss
 from ..engine.faults import guarded
 from ..engine.lifecycle import RunStart, close_run, idle_report, open_run, say_the_clip
 from ..engine.loop_objects import InstancePatches, LoopAdapter, length_of
@@ -38,8 +39,9 @@ OUTSIDE_ACCUMULATE = ("accelerator.backward() ran outside `with accelerator.accu
                       "gradient_accumulation_steps={g}: there sync_gradients stays True, so {effect}; put the "
                       "forward, backward and optimizer step inside `with accelerator.accumulate(model):`")
 OUTSIDE_EFFECT = {
-    True: "the engine updates on every micro-batch, not every G-th",
-    False: "your loop counts every micro-batch as an update while the engine updates every G-th",
+    True: "the engine updates on every micro-batch, not where your loop calls optimizer.step()",
+    False: "the engine updates at every G-th micro-batch by its own counter, not where your loop calls "
+           "optimizer.step()",
 }
 
 
@@ -70,7 +72,9 @@ class LoopWatch(LoopAdapter):
         self._run: Optional[Run] = None
         self._inside_accumulate = 0
         self._epoch_open = False
-        self._said_outside = False
+        self._outside = False  # backward() runs outside accumulate(): the loop's optimizer.step() calls are its count
+        self._pending = False  # outside: the last micro-batch is not counted yet (no optimizer.step() after it yet)
+        self._dataloader_ended = False  # outside: the dataloader ended at that micro-batch
         self._said_clip = False
         self._counts_update = False
         self._since_loop_update = 0
@@ -153,6 +157,8 @@ class LoopWatch(LoopAdapter):
         self._patches.set(accelerator, "backward", watched_backward)
         self._patches.set(accelerator, "accumulate", watched_accumulate)
         self._patches.set(accelerator, "clip_grad_norm_", watched_clip)
+        for optimizer in getattr(accelerator, "_optimizers", ()):
+            self._patches.set(optimizer, "step", self._watched_optimizer_step(optimizer.step))
         save_state, load_state = getattr(accelerator, "save_state", None), getattr(accelerator, "load_state", None)
         if save_state is None or load_state is None:
             return
@@ -174,38 +180,88 @@ class LoopWatch(LoopAdapter):
         self._patches.set(accelerator, "save_state", watched_save_state)
         self._patches.set(accelerator, "load_state", watched_load_state)
 
+    def _watched_optimizer_step(self, step: Any) -> Any:
+        @functools.wraps(step)
+        def watched_step(*args, **kwargs):
+            self._before_optimizer_step()
+            result = step(*args, **kwargs)
+            self._after_optimizer_step()
+            return result
+
+        return watched_step
+
     # ------------------------------------------------------------ every micro-batch
 
     @guarded(steering=True)
     def _before_backward(self, run: Run) -> None:
         if self._opened is not None:
-            self.loop_steps = self._checkpoints.start_training(run, self._opened, self._num_epochs)
+            opened, epochs = self._opened, self._num_epochs
+            if not self._inside_accumulate and run.g > 1 and opened.plan is not None:
+                run.voice.note("no forecast: your loop's backward() runs outside accumulate(), so its windows end at "
+                               "its own optimizer.step() calls, not where a forecast counts them")
+                opened, epochs = dataclasses.replace(opened, plan=None), None
+            self.loop_steps = self._checkpoints.start_training(run, opened, epochs)
             self._opened = None
+        if self._pending:  # outside accumulate(): the last micro-batch ended without an optimizer.step()
+            self._count(run, False)
         if not self._epoch_open:
             run.begin_epoch()
             self._epoch_open = True
+        if not self._inside_accumulate and run.g > 1 and not self._outside:
+            self._outside = True
+            self._say_outside(run)
+        if self._outside:  # the loop's window ends at its optimizer.step(), after this backward
+            self._pending = True
+            run.before_micro_batch(False)  # under sync no boundary until then
+            return
         self._counts_update = bool(self.accelerator.sync_gradients)
-        if not self._inside_accumulate and run.g > 1 and not self._said_outside:
-            self._said_outside = True
-            effect = OUTSIDE_EFFECT[run.behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER]
-            run.voice.warn(OUTSIDE_ACCUMULATE.format(g=run.g, effect=effect))
-            run.known_cause = Cause.OUTSIDE_ACCUMULATE
-            run.remedy = "put the forward, backward and optimizer step inside `with accelerator.accumulate(model):`"
         run.before_micro_batch(self._counts_update)  # under sync the engine follows sync_gradients (accelerate 1.8)
+
+    def _say_outside(self, run: Run) -> None:
+        effect = OUTSIDE_EFFECT[run.behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER]
+        run.voice.warn(OUTSIDE_ACCUMULATE.format(g=run.g, effect=effect))
+        run.known_cause = Cause.OUTSIDE_ACCUMULATE
+        run.remedy = "put the forward, backward and optimizer step inside `with accelerator.accumulate(model):`"
+        if run.policy.steers_the_boundary and not run.action.sets_the_boundary():
+            run.voice.warn(f"policy '{run.policy.value}' does not steer this run (said above), so the engine's updates "
+                           "stay where accelerate puts them, not at your loop's optimizer.step()")
 
     @guarded(steering=True)
     def _after_backward(self, run: Run) -> None:
-        if self._counts_update:
+        self._dataloader_ended = bool(getattr(self.accelerator.gradient_state, "end_of_dataloader", False))
+        if not self._outside:  # outside accumulate() the loop's optimizer.step() counts it
+            self._count(run, self._counts_update)
+
+    def _count(self, run: Run, updated: bool) -> None:
+        """The micro-batch is done: counted (``updated``: the loop counted an update at it), and the epoch ended
+        where the dataloader did."""
+        self._pending = False
+        if updated:
             self.loop_steps += 1
             self._since_loop_update = 0
         else:
             self._since_loop_update += 1
-        run.after_micro_batch(self._counts_update, self.loop_steps)
-        if self._counts_update and run.observing and getattr(self.accelerator, "trackers", None):
+        run.after_micro_batch(updated, self.loop_steps)
+        if updated and run.observing and getattr(self.accelerator, "trackers", None):
             self._observe("accelerator.log", self._log_metrics, run.engine_steps_seen, run.updates.metrics())
-        if getattr(self.accelerator.gradient_state, "end_of_dataloader", False):
+        if self._dataloader_ended:
             run.end_epoch(self.loop_steps)
-            self._epoch_open = False
+            self._epoch_open = self._dataloader_ended = False
+
+    @guarded(steering=True)
+    def _before_optimizer_step(self, run: Run) -> None:
+        """Outside accumulate(), under sync: the loop's window ends here, after its last backward(); the engine closes
+        it now (DeepSpeed's optimizer.step() under accelerate does nothing itself)."""
+        if self._pending and run.action.closes_late(run):
+            engine = run.engine
+            if run.facts.boundary_replaces:
+                engine.backward(zero_loss(engine))
+            engine.step()
+
+    @guarded(steering=True)
+    def _after_optimizer_step(self, run: Run) -> None:
+        if self._pending:
+            self._count(run, True)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -234,6 +290,8 @@ class LoopWatch(LoopAdapter):
 
     @guarded(steering=True, needs_run=False)
     def _close(self) -> None:
+        if self._run is not None and self._pending:
+            self._count(self._run, False)
         close_run(self.report, self._run, self.loop_steps)
 
 

@@ -30,7 +30,7 @@ from ..core.frameworks import DEEPSPEED_LOOP
 from ..core.plan import RunPlan
 from ..core.versions import Stack, behaviour_of
 from ..display.output import ConsoleOutput
-from ..engine.deepspeed import is_engine
+from ..engine.deepspeed import is_engine, zero_loss
 from ..engine.faults import guarded
 from ..engine.lifecycle import RunStart, close_run, idle_report, open_run, start_training
 from ..engine.loop_objects import InstancePatches, LoopAdapter, length_of
@@ -45,11 +45,6 @@ SEVERAL_BACKWARDS_EFFECT = {
     True: "policy 'sync' makes each step() an update, but DeepSpeed still divides each micro-batch's loss by {g}",
 }
 
-
-def zero_loss(engine: Any) -> Any:
-    """A loss of exactly zero that reaches every trainable parameter: its backward() adds nothing to any gradient and,
-    at a boundary, makes ZeRO 1 and 2 reduce every gradient accumulated since the engine's last update."""
-    return sum(p.reshape(-1)[:1].sum() for p in engine.module.parameters() if p.requires_grad) * 0.0
 
 
 class EngineWatch(LoopAdapter):
@@ -111,8 +106,7 @@ class EngineWatch(LoopAdapter):
                                 plan=plan, action=loop_action_for(self.policy))
         run, _ = open_run(self._opened, self._keep, training_starts=False)
         self.loop_steps = start
-        facts = run.facts
-        self._replaces = facts.zero_stage in (1, 2) and facts.managed_accumulation
+        self._replaces = run.facts.boundary_replaces
         if start:
             run.voice.note(f"the engine had made {start} update(s) before stepsync.watch(): your loop's count is taken "
                            "to start there")

@@ -71,6 +71,19 @@ class EngineFacts:
     deepspeed: bool = True
 
 
+    @property
+    def boundary_replaces(self) -> bool:
+        """ZeRO 1 and 2 under the engine's own accumulation: each backward() at a boundary replaces the gradients an
+        earlier one reduced, so a window's boundary must come at its last backward(), or a backward() after it."""
+        return self.zero_stage in (1, 2) and self.managed_accumulation
+
+
+def zero_loss(engine: Any) -> Any:
+    """A loss of exactly zero that reaches every trainable parameter: its backward() adds nothing to any gradient and,
+    at a boundary, makes ZeRO 1 and 2 reduce every gradient accumulated since the engine's last update (as probed)."""
+    return sum(p.reshape(-1)[:1].sum() for p in engine.module.parameters() if p.requires_grad) * 0.0
+
+
 def _whole(value: Any) -> Optional[int]:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 

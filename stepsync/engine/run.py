@@ -263,10 +263,10 @@ class Run:
             return Cause.INHERITED
         if drift == self.report.inherited_drift:
             return Cause.CAUGHT_UP
+        if self.known_cause is not None:  # what the adapter saw explains the drift either way
+            return self.known_cause
         if drift < self.last_drift:
             return Cause.ENGINE_AHEAD
-        if self.known_cause is not None:
-            return self.known_cause
         if self.n is not None and self.position == self.n:
             return Cause.TINY_EPOCH if self.n <= self.g else Cause.PARTIAL_WINDOW
         return Cause.UNEXPLAINED

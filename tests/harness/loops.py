@@ -178,3 +178,70 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
         if watch is not None:
             watch.close()
     return result
+
+
+@dataclass
+class WindowLoopRun:
+    """What the autoregressive example's loop saw: its optimizer.step() calls, the engine's count after each of its
+    windows, and each micro-batch's share of the updates (1: applied whole, 0: never applied)."""
+
+    optimizer_steps: int = 0
+    engine_steps: List[int] = field(default_factory=list)
+    shares: List[float] = field(default_factory=list)
+    watch: Any = None
+    error: Optional[BaseException] = None
+
+
+def run_window_loop(samples: int, gas: int, epochs: int, stage: int = 2, policy: Optional[str] = None) -> WindowLoopRun:
+    """accelerate's examples/by_feature/gradient_accumulation_for_autoregressive_models.py: windows of ``gas``
+    micro-batches per epoch (the last one of ``samples % gas``) gathered by hand, each micro-batch's loss normalised
+    by the window's items and multiplied by G, ``accelerator.backward`` on each outside ``accumulate()``, then one
+    ``optimizer.step()`` per window; G given to the DeepSpeed plugin and the Accelerator alike. The model is one
+    weight per sample under plain SGD at lr 1 and each micro-batch one sample's one-hot row, so each micro-batch's
+    share is read from the weights (DeepSpeed divides by G again: a window applied whole moves each of its samples
+    by 1 / its length)."""
+    cpu_distributed_env()
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DeepSpeedPlugin
+
+    import stepsync
+    from stepsync.core.errors import StepSyncError
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = Accelerator(gradient_accumulation_steps=gas,
+                              deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=loop_deepspeed_config(gas, stage)))
+    model = torch.nn.Linear(samples, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    dataloader = torch.utils.data.DataLoader(torch.eye(samples), batch_size=1)
+    model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
+    engine = accelerator.deepspeed_engine_wrapped.engine
+    run = WindowLoopRun()
+    if policy is not None:
+        run.watch = stepsync.watch(accelerator, policy, dataloader=dataloader, num_epochs=epochs, console=False,
+                                   gradient_accumulation_steps=gas)
+    total_updates = -(-len(dataloader) // gas)
+    remainder = len(dataloader) % gas or gas
+    moved = torch.zeros(samples)
+    try:
+        for _ in range(epochs):
+            iterator = iter(dataloader)
+            for update_step in range(total_updates):
+                window = [next(iterator) for _ in range(gas if update_step != total_updates - 1 else remainder)]
+                before = engine.module.weight.detach().clone().flatten()
+                for row in window:
+                    accelerator.backward(model(row).sum() / len(window) * gas)  # num_items_in_batch, times G
+                optimizer.step()
+                optimizer.zero_grad()
+                run.optimizer_steps += 1
+                run.engine_steps.append(engine.global_steps)
+                moved += (before - engine.module.weight.detach().flatten()) * len(window)
+    except StepSyncError as exc:
+        run.error = exc
+    if run.watch is not None:
+        run.watch.close()
+    run.shares = [round(value / epochs, 3) for value in moved.tolist()]
+    return run

@@ -190,3 +190,42 @@ def test_check_forecasts_what_a_real_loop_counts(samples, gas, epochs, policy):
     run = run_loop(samples, gas, epochs, policy)
     assert run.error is None, repr(run.error)
     assert forecast_epochs("accelerate", samples, gas, epochs, policy or "warn") == run.epoch_ends
+
+
+def test_a_loop_with_its_own_windows_is_held_to_its_optimizer_steps():
+    """accelerate's gradient_accumulation_for_autoregressive_models.py (tests/harness/loops.py, run_window_loop): 13
+    micro-batches per epoch, G=3, 2 epochs, backward() outside accumulate() and one optimizer.step() per window of
+    its own: 10 windows. The report counts those 10 against the engine's updates, read from the loop itself: 8
+    (accelerate 1.7: the engine's counter, 2 micro-batches never applied) or 26 (accelerate >= 1.8: one per
+    micro-batch), every event's cause named, and no forecast made for windows it cannot see."""
+    from harness.loops import run_window_loop
+
+    plain, watched = run_window_loop(13, 3, 2), run_window_loop(13, 3, 2, policy="warn")
+    assert (watched.engine_steps, watched.shares) == (plain.engine_steps, plain.shares)  # warn changes nothing
+    report = watched.watch.report
+    assert report.trainer_steps == plain.optimizer_steps == 10
+    assert report.engine_steps == plain.engine_steps[-1] == (8 if DRIFTS else 26)
+    assert report.unapplied_micro_batches == (2 if DRIFTS else 0)
+    assert [(row.trainer_steps, row.engine_steps) for row in report.epochs] == (
+        [(5, 4), (10, 8)] if DRIFTS else [(5, 13), (10, 26)])
+    assert report.events and all(event.cause.name == "OUTSIDE_ACCUMULATE" for event in report.events)
+    assert report.forecast is None and report.forecast_mismatches == []
+    assert any("not where your loop calls optimizer.step()" in note for note in report.notes)
+
+
+def test_sync_makes_a_loops_own_windows_its_updates_or_says_why_it_cannot():
+    """policy 'sync' on that loop: accelerate 1.7 leaves the boundary to stepsync, which closes each window at the
+    loop's optimizer.step() (one update per window, every micro-batch applied whole, read from the weights);
+    accelerate >= 1.8 updates at every micro-batch outside accumulate() itself, and sync says it cannot change that,
+    never making per-micro-batch updates of its own."""
+    from harness.loops import run_window_loop
+
+    run = run_window_loop(13, 3, 2, policy="sync")
+    report = run.watch.report
+    assert run.error is None and run.optimizer_steps == report.trainer_steps == 10
+    if DRIFTS:
+        assert run.engine_steps == list(range(1, 11)) and run.shares == [1.0] * 13
+        assert report.events == [] and report.unapplied_micro_batches == 0
+    else:
+        assert run.engine_steps == run_window_loop(13, 3, 2).engine_steps and run.engine_steps[-1] == 26
+        assert any("stay where accelerate puts them" in note for note in report.notes)
