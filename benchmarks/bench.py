@@ -7,7 +7,8 @@ Trainer + DeepSpeed runs on CPU, net of a no-op callback timed at the same place
 of the training loop spent in all of stepsync's hooks; (b') training throughput with stepsync / without, from
 interleaved runs (A B A B ...) and the median of the per-pair ratios; (c) the wall time of `stepsync check` and of
 `import stepsync`, and whether that import pulled in torch or deepspeed; (d) the forecast of 10^6
-micro-batches per epoch over 100 epochs.
+micro-batches per epoch over 100 epochs; (e) the resume check; (f) `stepsync.watch(engine)` in loops that drive
+DeepSpeed's engine themselves: each hook's median and the share of the loop's time spent in them.
 """
 from __future__ import annotations
 
@@ -249,6 +250,51 @@ def measure_resume_check(repeats: int):
     return statistics.median(times) * 1000, shift
 
 
+ENGINE_HOOKS = ("_before_backward", "_before_step", "_after_step")
+
+
+def measure_engine_watch(micro_batches: int, gas: int):
+    """(f): DeepSpeed-Chat's loop (backward() and step() on every micro-batch, the engine's G) and open-instruct's
+    learner (``gas`` backward() calls per step(), the config's G=1), ZeRO-2, the tiny GPT-2 the Trainer's runs train,
+    on CPU, one run per policy: each hook's median (us) and the share of the loop's wall time spent in all of them
+    (its start and the forecast included)."""
+    import logging
+
+    import deepspeed
+    import torch
+
+    import stepsync
+    from stepsync.tools.tiny_run import TinyDataset, tiny_model
+
+    logging.getLogger("stepsync").setLevel(logging.CRITICAL)
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    data = TinyDataset(micro_batches)
+    batches = [{key: value.unsqueeze(0) for key, value in data[i].items()} for i in range(micro_batches)]
+    rows = []
+    for shape, policies in (("chat", ("warn", "raise", "sync")), ("learner", ("warn", "sync"))):
+        for policy in policies:
+            model = tiny_model()
+            config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas if shape == "chat" else 1,
+                      "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
+            engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3),
+                                              config=config)
+            watch = stepsync.watch(engine, policy, dataloader=batches, num_epochs=1, console=False)
+            timed = TimedCallback(watch, ENGINE_HOOKS)
+            start = time.perf_counter_ns()
+            for i, batch in enumerate(batches):
+                engine.backward(engine(**batch).loss)
+                if shape == "chat" or (i + 1) % gas == 0:
+                    engine.step()
+            loop_ns = time.perf_counter_ns() - start
+            watch.close()
+            engine.destroy()
+            hooks_ns = sum(sum(samples) for samples in timed.samples.values())
+            medians = {name: statistics.median(samples) / 1000 if samples else 0.0
+                       for name, samples in timed.samples.items()}
+            rows.append((shape, policy, medians, hooks_ns / micro_batches / 1000, 1 - hooks_ns / loop_ns))
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=400, help="micro-batches per run (default 400)")
@@ -328,6 +374,22 @@ def main(argv=None) -> int:
           f"{sum(shift.repeated.values())} sample(s)")
     if resume_ms > GOALS["resume_check_ms"]:
         failures.append(f"resume check {resume_ms:.3f} ms > {GOALS['resume_check_ms']} ms")
+
+    whole = args.samples - args.samples % args.gas
+    engine_rows = measure_engine_watch(whole, args.gas)
+    print(f"\n(f) stepsync.watch(engine), ZeRO-2, {whole} micro-batches, G={args.gas}: "
+          "'chat' steps after every micro-batch (DeepSpeed-Chat), 'learner' after G backward() calls (open-instruct; "
+          "under sync one backward() of a zero loss closes each window on ZeRO 1-2, counted in the share)")
+    print(f"{'loop':<8} {'policy':<7} " + " ".join(f"{name.strip('_'):>15}" for name in ENGINE_HOOKS)
+          + f" {'us/micro-batch':>15} {'share':>7}")
+    for shape, policy, medians, per_micro_batch, share in engine_rows:
+        print(f"{shape:<8} {policy:<7} " + " ".join(f"{medians[name]:>15.2f}" for name in ENGINE_HOOKS)
+              + f" {per_micro_batch:>15.2f} {share:>7.4f}")
+        if shape == "chat" and policy != "sync" and per_micro_batch > GOALS["hook_median_us"]:
+            failures.append(f"engine watch {shape} {policy} {per_micro_batch:.2f} us per micro-batch > "
+                            f"{GOALS['hook_median_us']} us")
+        if share < GOALS["throughput_ratio"]:
+            failures.append(f"engine watch {shape} {policy} share {share:.4f} < {GOALS['throughput_ratio']}")
 
     print("\ngoals: " + ("all met" if not failures else "MISSED: " + "; ".join(failures)))
     return 1 if failures else 0

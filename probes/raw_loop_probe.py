@@ -43,13 +43,15 @@ def weights():
 before = weights()
 rows = torch.eye(k, dtype=torch.bfloat16 if bf16 else torch.float32)
 for i in range(k):
-    if mode in ("boundary", "late", "closed"):
+    if mode in ("boundary", "late", "closed", "reduced"):
         engine.set_gradient_accumulation_boundary(mode == "boundary" and i == k - 1)
     engine.backward(engine(rows[i:i + 1]).sum())
-if mode in ("late", "closed"):
+if mode in ("late", "closed", "reduced"):
     engine.set_gradient_accumulation_boundary(True)
 if mode == "closed":
     engine.backward(engine.module.weight.reshape(-1)[0] * 0.0)
+if mode == "reduced":
+    engine.allreduce_gradients()
 engine.step()
 shares = [round(-(after - first).item(), 4) for after, first in zip(weights(), before)]
 print(json.dumps({"k": k, "stage": stage, "mode": mode, "bf16": bf16, "deepspeed": deepspeed.__version__,

@@ -16,7 +16,7 @@ from ..core.errors import UnsafeCheckpointError
 from ..core.plan import RunPlan
 from ..core.record import RECORD_FILE, ResumeRecord, load_record, write_json
 from ..engine.lifecycle import RunStart, start_training
-from ..engine.resume import record_of
+from ..engine.resume import UnsafeSaves, record_of
 from ..engine.run import Run
 
 _NUMBER_AT_END = re.compile(r"(\d+)$")
@@ -27,42 +27,25 @@ class LoopCheckpoints:
 
     Attributes:
         loaded: the folder ``load_state`` read before the first micro-batch and its record (None: none read).
-        said_saves: a save was warned about (later ones go to the report only).
+        saves: the saves a resume cannot continue from exactly, said.
     """
 
     def __init__(self, accelerator: Any) -> None:
         self.accelerator = accelerator
         self.loaded: Optional[Tuple[str, Optional[ResumeRecord]]] = None
-        self.said_saves = False
+        self.saves = UnsafeSaves()
 
     def after_save(self, run: Run, folder: str, loop_steps: int, since_loop_update: int) -> None:
         """Keep the record in the folder, and say a save that a resume cannot continue from exactly."""
         # Each node's first process: a node saving into a folder of its own keeps the record too (the same one).
         if getattr(getattr(self.accelerator, "state", None), "is_local_main_process", True):
             write_json(os.path.join(folder, RECORD_FILE), record_of(run).to_dict())
-        name = os.path.basename(os.path.normpath(folder))
-        said = []
-        if run.since_engine_update:
-            said.append(f"{run.since_engine_update} micro-batch(es) are in DeepSpeed's open window: DeepSpeed saves "
-                        "neither their gradients nor its micro-step counter, so a resume from it loses them")
-        elif since_loop_update:
-            said.append(f"it was saved inside your loop's window ({since_loop_update} micro-batch(es) after its last "
-                        "update): save where accelerator.sync_gradients is true")
-        number = _NUMBER_AT_END.search(name)
-        engine_steps = run.engine.global_steps
+        number = _NUMBER_AT_END.search(os.path.basename(os.path.normpath(folder)))
+        engine_steps, misnamed = run.engine.global_steps, []
         if number and int(number.group(1)) == loop_steps != engine_steps:
-            said.append(f"its name counts your loop's {loop_steps} updates but it holds DeepSpeed's step "
-                        f"{engine_steps} (drift {loop_steps - engine_steps:+d}), which a resume restores")
-        if not said:
-            return
-        text = f"checkpoint {name}: " + "; ".join(said)
-        if run.policy.stops:
-            raise UnsafeCheckpointError(f"{text}; policy '{run.policy.value}' stops at this save")
-        if self.said_saves:
-            run.voice.note(text)
-        else:
-            self.said_saves = True
-            run.voice.warn(text + " (later saves like it are listed in the report)")
+            misnamed.append(f"its name counts your loop's {loop_steps} updates but it holds DeepSpeed's step "
+                            f"{engine_steps} (drift {loop_steps - engine_steps:+d}), which a resume restores")
+        self.saves.check(run, folder, since_loop_update, "save where accelerator.sync_gradients is true", misnamed)
 
     def after_load(self, run: Run, folder: Optional[str], started: bool) -> None:
         """``load_state(folder)`` ran: its record is read for the first micro-batch."""

@@ -17,9 +17,9 @@ a zero loss closes it (it adds nothing and reduces every gradient of the window:
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
+import os
 from typing import Any, Optional, Union
 
 from ..core import rules
@@ -32,10 +32,11 @@ from ..core.versions import Stack, behaviour_of
 from ..display.output import ConsoleOutput
 from ..engine.deepspeed import is_engine, zero_loss
 from ..engine.faults import guarded
-from ..engine.lifecycle import RunStart, close_run, idle_report, open_run, start_training
+from ..engine.lifecycle import RunStart, close_run, idle_report, make_forecast, open_run
 from ..engine.loop_objects import InstancePatches, LoopAdapter, length_of
-from ..engine.policies import loop_action_for
+from ..engine.policies import engine_loop_action_for
 from ..engine.run import Run
+from .checkpoints import EngineCheckpoints, checkpoint_folder
 
 SEVERAL_BACKWARDS = ("your loop called backward() {k} times before step(), and the engine counts its windows in "
                      "step() calls (gradient_accumulation_steps={g} in the DeepSpeed config): {effect}; set "
@@ -69,15 +70,24 @@ class EngineWatch(LoopAdapter):
         self.loop_steps = 0
         self._run: Optional[Run] = None
         self._patches = InstancePatches()
-        self._opened: Optional[RunStart] = None  # what the run opened from, until the loop's first step()
+        self._opened: Optional[RunStart] = None  # what the run opened from, until the first micro-batch
+        self._started: Optional[RunStart] = None  # what training started from, until the loop's first step()
+        self._num_epochs = num_epochs
+        self._checkpoints = EngineCheckpoints()
         self._per_micro_batch: Optional[bool] = None  # the loop steps after every backward(): known at its 1st step
         self._backwards = 0  # backward() calls since the loop's last step()
         self._pending = False  # the last backward's micro-batch is not in the run's count yet (no step() after it)
         self._at_boundary = False  # the last backward() ran at a boundary of the engine's
         self._since_update = 0  # backward() calls since the engine's last update
+        self._since_loop_update = 0  # backward() calls since the loop's window last closed
         self._marks = (0, 0)  # of those, how many had run at the last two backward() calls at a boundary
+        self._unread = 0  # of those, the ones whose boundary was not read (a loop that steps after each)
         self._replaces = False  # ZeRO 1-2 under the engine's own accumulation: a boundary replaces the one before
         self._counts_update = False
+        self._ends = False  # the loop's window ends at the running micro-batch (a loop that steps after each)
+        self._steers = False  # the policy sets the engine's boundary
+        self._reads_boundary = True  # each backward's boundary is read (ZeRO 1-2's replaced gradients, or sync)
+        self._quick_steps = False  # a step() after one backward() needs only the count (no check, nothing to close)
         self._start(dataloader, num_epochs)
 
     @property
@@ -103,10 +113,12 @@ class EngineWatch(LoopAdapter):
         plan = None if n is None or num_epochs is None else RunPlan(n, g, num_epochs, -1, start, start)
         self._opened = RunStart(DEEPSPEED_LOOP, self.policy, engine, behaviour, n, g, self.output,
                                 is_main=int(getattr(engine, "global_rank", 0) or 0) == 0, trainer_steps=start,
-                                plan=plan, action=loop_action_for(self.policy))
+                                plan=plan, action=engine_loop_action_for(self.policy))
         run, _ = open_run(self._opened, self._keep, training_starts=False)
         self.loop_steps = start
         self._replaces = run.facts.boundary_replaces
+        self._steers = run.action.sets_the_boundary()
+        self._reads_boundary = self._steers or self._replaces
         if start:
             run.voice.note(f"the engine had made {start} update(s) before stepsync.watch(): your loop's count is taken "
                            "to start there")
@@ -129,13 +141,35 @@ class EngineWatch(LoopAdapter):
 
         @functools.wraps(step)
         def watched_step(*args, **kwargs):
-            self._before_step(backward)
+            if self._quick_steps and self._backwards == 1:
+                self._counts_update = self._ends  # known before its backward()
+            else:
+                self._before_step(backward)
             result = step(*args, **kwargs)
             self._after_step()
             return result
 
         self._patches.set(engine, "backward", watched_backward)
         self._patches.set(engine, "step", watched_step)
+        save, load = getattr(engine, "save_checkpoint", None), getattr(engine, "load_checkpoint", None)
+        if save is None or load is None:
+            return
+
+        @functools.wraps(save)
+        def watched_save(save_dir, tag=None, *args, **kwargs):
+            saved = save(save_dir, tag, *args, **kwargs)
+            self._after_save(checkpoint_folder(save_dir, tag, engine))
+            return saved
+
+        @functools.wraps(load)
+        def watched_load(load_dir, *args, **kwargs):
+            loaded = load(load_dir, *args, **kwargs)
+            path = loaded[0] if isinstance(loaded, tuple) and loaded else None  # the model states' file, or None
+            self._after_load(None if path is None else os.path.dirname(os.fspath(path)))
+            return loaded
+
+        self._patches.set(engine, "save_checkpoint", watched_save)
+        self._patches.set(engine, "load_checkpoint", watched_load)
 
     # ------------------------------------------------------------ every micro-batch
 
@@ -146,15 +180,25 @@ class EngineWatch(LoopAdapter):
 
     @guarded(steering=True)
     def _before_backward(self, run: Run) -> None:
+        if self._opened is not None:
+            self._started = self._checkpoints.start_training(run, self._opened, self._num_epochs)
+            self.loop_steps, self._opened = self._started.trainer_steps, None
         self._micro_batch_begins(run, self._pending)  # no step() after the last one?
         self._pending = True
         self._backwards += 1
         self._since_update += 1
-        run.before_micro_batch(bool(self._per_micro_batch) and self._ends_window(run, run.position + 1))
-        if self._replaces or run.action.sets_the_boundary():
+        self._since_loop_update += 1
+        if self._per_micro_batch:
+            self._ends = self._ends_window(run, run.position + 1)
+        if self._steers:  # the boundary is the one the policy sets
+            run.before_micro_batch(self._ends)
+            self._at_boundary = self._ends
+        elif self._reads_boundary:
             self._at_boundary = bool(self.engine.is_gradient_accumulation_boundary())
-            if self._at_boundary:
-                self._marks = (self._marks[1], self._since_update)
+        else:
+            self._at_boundary, self._unread = False, self._unread + 1
+        if self._at_boundary:
+            self._marks = (self._marks[1], self._since_update)
 
     @guarded(steering=True)
     def _before_step(self, run: Run, backward: Any) -> None:
@@ -163,6 +207,8 @@ class EngineWatch(LoopAdapter):
             self._first_step(run, k)
         elif k > 1:
             self._per_micro_batch = False
+        self._reads_boundary = self._steers or (self._replaces and not self._per_micro_batch)
+        self._quick_steps = bool(self._per_micro_batch) and not self._steers and run.facts.managed_accumulation
         position = run.position + (1 if self._pending else 0)
         self._counts_update = ends = (not self._per_micro_batch or not run.facts.managed_accumulation
                                       or self._ends_window(run, position))
@@ -170,7 +216,8 @@ class EngineWatch(LoopAdapter):
             if self._replaces:
                 backward(zero_loss(engine))  # DeepSpeed's own backward: the watch counts no micro-batch for it
             self._marks, self._at_boundary = (self._marks[1], self._since_update), True
-        if self._replaces and self._at_boundary and self._marks[0] and engine.is_gradient_accumulation_boundary():
+        if (self._replaces and self._at_boundary and self._marks[0] and not self._unread
+                and engine.is_gradient_accumulation_boundary()):
             lost = LostGradients(run.epoch + 1, position, engine.global_steps + 1, self._since_update, self._marks[0],
                                  run.facts.zero_stage or 0)
             run.updates.took_lost_gradients(run, lost)
@@ -178,7 +225,7 @@ class EngineWatch(LoopAdapter):
     def _first_step(self, run: Run, k: int) -> None:
         """The loop's first step(): its shape is known, and training starts (the forecast is made for a loop that
         steps after every micro-batch)."""
-        opened, self._opened = self._opened, None
+        opened, self._started = self._started, None
         assert opened is not None
         self._per_micro_batch = k <= 1
         g = run.facts.gradient_accumulation_steps or run.g
@@ -190,22 +237,32 @@ class EngineWatch(LoopAdapter):
         if opened.plan is not None and not run.facts.managed_accumulation:
             run.voice.note("no forecast: DeepSpeed's managed_gradient_accumulation is false, so every step() is an "
                            "update, not the epoch's windows of G a forecast counts")
-            opened = dataclasses.replace(opened, plan=None)
         elif opened.plan is not None and k > 1:
             run.voice.note(f"no forecast: your loop called backward() {k} times before its first step(), so its "
                            "windows are its own, not the epoch's windows of G a forecast counts")
-            opened = dataclasses.replace(opened, plan=None)
-        start_training(run, opened)
+        else:
+            make_forecast(run, opened)
 
     @guarded(steering=True)
     def _after_step(self, run: Run) -> None:
         if self._counts_update:
             self.loop_steps += 1
+            self._since_loop_update = 0
         self._pending, self._backwards = False, 0
         before = run.engine_steps_seen
         run.after_micro_batch(self._counts_update, self.loop_steps)
         if run.engine_steps_seen != before:
-            self._since_update, self._marks = 0, (0, 0)
+            self._since_update, self._marks, self._unread = 0, (0, 0), 0
+
+    # ------------------------------------------------------------ checkpoints
+
+    @guarded(steering=False)
+    def _after_save(self, run: Run, folder: str) -> None:
+        self._checkpoints.after_save(run, folder, self._since_loop_update)
+
+    @guarded(steering=False)
+    def _after_load(self, run: Run, folder: Optional[str]) -> None:
+        self._checkpoints.after_load(run, folder, started=self._opened is None)
 
     # ------------------------------------------------------------ end
 

@@ -159,17 +159,27 @@ def _count_from(run: Run, trainer_steps: int) -> None:
     report.inherited_drift = report.drift
 
 
-def start_training(run: Run, start: RunStart, resumed: bool = False) -> None:
+def start_training(run: Run, start: RunStart, resumed: bool = False, forecast_now: bool = True) -> None:
     """Training begins where ``start`` says: the forecast, the record a resume carries on, and the check of the
     counts it begins with. ``resumed``: the engine was loaded after the run opened (a loop's ``load_state``), so its
-    counts are read again and the run starts at ``start``'s position."""
-    report = run.report
+    counts are read again and the run starts at ``start``'s position. ``forecast_now=False`` leaves the forecast to
+    :func:`make_forecast`, for a loop whose windows are known only at its first update."""
     if resumed:
         run.epoch, run.start_epoch, run.skip = start.start_epoch - 1, start.start_epoch, start.skip
         run.plan = start.plan
         run.engine_steps_seen = run.engine_at_last_update = run.engine.global_steps
         run.updates.skipped_seen = run.engine.skipped_steps if run.counts_skips else 0
         _count_from(run, start.trainer_steps)
+    if forecast_now:
+        make_forecast(run, start)
+    if start.record is not None:
+        continue_from(run, start.record)
+    run.check(start.trainer_steps, "train_begin", start.inherited_remedy)
+
+
+def make_forecast(run: Run, start: RunStart) -> None:
+    """The forecast of ``start``'s plan, announced (none without a plan, or where the two counts have two Gs)."""
+    report = run.report
     if start.plan is not None and run.known_cause is Cause.TWO_GS:
         engine_g = run.facts.gradient_accumulation_steps
         run.voice.note(f"no forecast: the engine's gradient_accumulation_steps is {engine_g} and "
@@ -183,9 +193,6 @@ def start_training(run: Run, start: RunStart, resumed: bool = False) -> None:
             run.voice.note(f"{start.framework.name} planned max_steps={report.planned_steps}, the forecast "
                            f"{predicted.planned_steps}: the forecast may be off for this release")
         run.voice.announce(predicted)
-    if start.record is not None:
-        continue_from(run, start.record)
-    run.check(start.trainer_steps, "train_begin", start.inherited_remedy)
 
 
 def _say_the_weight_faults(run: Run, stack: Any, g: int, call: BackwardCall) -> None:

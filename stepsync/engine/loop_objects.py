@@ -54,7 +54,7 @@ class LoopAdapter(Adapter):
         open one is full."""
         if last_unreported:
             run.after_micro_batch(False, self.loop_steps)
-        if run.epoch < 0:
+        if run.epoch < run.start_epoch:  # none open yet (a resumed run starts at its record's epoch)
             run.begin_epoch()
         elif run.n is not None and run.position >= run.n:
             run.end_epoch(self.loop_steps)

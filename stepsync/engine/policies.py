@@ -190,6 +190,19 @@ class FollowTheLoop(SyncAction):
         return True
 
 
+class CloseAtTheLoopsStep(FollowTheLoop):
+    """``sync`` for a loop that drives the engine itself: as :class:`FollowTheLoop`, the window closed at the loop's
+    step() where its last backward() ran before the loop said it was the last. DeepSpeed's unmanaged accumulation
+    already makes each step() the boundary of the backward() calls before it: nothing to steer there."""
+
+    def begin(self, run: RunView) -> Optional[Steering]:
+        if not run.facts.managed_accumulation:
+            run.voice.note("policy 'sync' does nothing here: DeepSpeed's managed_gradient_accumulation is false, so "
+                           f"each step() closes the window of {run.report.framework.name}'s backward() calls before it")
+            return Steering(replacement=WatchOnly(Policy.SYNC))
+        return super().begin(run)
+
+
 def already_follows(run: RunView) -> str:
     """Why the updates already follow the framework's count, in words."""
     if not run.facts.deepspeed:
@@ -204,10 +217,6 @@ def leaves_the_engine_alone(run: RunView) -> Optional[Steering]:
         return nothing_to_sync(run)
     if run.known_cause is Cause.TWO_GS:
         return not_one_g(run)
-    if not run.facts.managed_accumulation:
-        run.voice.note("policy 'sync' does nothing here: DeepSpeed's managed_gradient_accumulation is false, so each "
-                       f"step() closes the window of {run.report.framework.name}'s backward() calls before it")
-        return Steering(replacement=WatchOnly(Policy.SYNC))
     return None
 
 
@@ -299,3 +308,8 @@ def action_for(policy: Policy) -> PolicyAction:
 def loop_action_for(policy: Policy) -> PolicyAction:
     """The action of a loop's run: ``sync`` follows the loop's own word on its windows; the others as anywhere."""
     return FollowTheLoop() if policy is Policy.SYNC else action_for(policy)
+
+
+def engine_loop_action_for(policy: Policy) -> PolicyAction:
+    """The action of a loop that drives the engine itself: ``sync`` also closes windows at its step()."""
+    return CloseAtTheLoopsStep() if policy is Policy.SYNC else action_for(policy)

@@ -1,8 +1,11 @@
 """Resuming: the record a checkpoint saved now must hold, and how a resumed run carries the saved report on."""
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
+from typing import Sequence
 
+from ..core.errors import UnsafeCheckpointError
 from ..core.plan import resume_steps_for
 from ..core.record import ResumeRecord
 from .run import Run
@@ -43,3 +46,38 @@ def continue_from(run: Run, record: ResumeRecord) -> None:
         run.voice.note(f"the checkpoint was saved with {record.unapplied_at_save} micro-batch(es) in DeepSpeed's "
                         "open window; DeepSpeed saves neither their gradients nor its micro-step counter, so they "
                         "are lost and the engine's windows restart here")
+
+
+class UnsafeSaves:
+    """The saves a resume cannot continue from exactly: the first warned (later ones go to the report only), each
+    a stop under a policy that stops.
+
+    Attributes:
+        said: a save was warned about.
+    """
+
+    def __init__(self) -> None:
+        self.said = False
+
+    def check(self, run: Run, folder: str, since_loop_update: int, save_where: str, more: Sequence[str] = ()) -> None:
+        """A save into ``folder`` now: micro-batches in DeepSpeed's open window (lost by a resume), or a save inside
+        the loop's window (``since_loop_update`` micro-batches after its last update: ``save_where`` says where to
+        save instead), with what else the adapter found (``more``)."""
+        said = []
+        if run.since_engine_update:
+            said.append(f"{run.since_engine_update} micro-batch(es) are in DeepSpeed's open window: DeepSpeed saves "
+                        "neither their gradients nor its micro-step counter, so a resume from it loses them")
+        elif since_loop_update:
+            said.append(f"it was saved inside your loop's window ({since_loop_update} micro-batch(es) after its last "
+                        f"update): {save_where}")
+        said += more
+        if not said:
+            return
+        text = f"checkpoint {os.path.basename(os.path.normpath(folder))}: " + "; ".join(said)
+        if run.policy.stops:
+            raise UnsafeCheckpointError(f"{text}; policy '{run.policy.value}' stops at this save")
+        if self.said:
+            run.voice.note(text)
+        else:
+            self.said = True
+            run.voice.warn(text + " (later saves like it are listed in the report)")

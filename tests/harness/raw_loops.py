@@ -53,9 +53,12 @@ def _weights(engine: Any) -> Any:
         return engine.module.weight.detach().float().clone().flatten()
 
 
-def run_chat_loop(samples: int, gas: int, epochs: int, stage: int = 0, policy: Optional[str] = None) -> ChatLoopRun:
+def run_chat_loop(samples: int, gas: int, epochs: int, stage: int = 0, policy: Optional[str] = None,
+                  save_to: Optional[str] = None, resume_from: Optional[str] = None) -> ChatLoopRun:
     """The loop above; ``policy``: ``stepsync.watch(engine, policy=...)`` is called on its engine first (given the
-    loop's dataloader length and epochs)."""
+    loop's dataloader length and epochs). ``save_to``: ``engine.save_checkpoint(save_to, tag=f"epoch_{e}")`` after
+    every epoch; ``resume_from``: ``engine.load_checkpoint`` of such a folder first, and training from the epoch
+    after it."""
     cpu_distributed_env()
     import deepspeed
     import torch
@@ -74,9 +77,13 @@ def run_chat_loop(samples: int, gas: int, epochs: int, stage: int = 0, policy: O
                                                    config=config)
     run.watch = _watched(engine, policy, dataloader=range(samples), num_epochs=epochs)
     rows = torch.eye(samples)
-    last = _weights(engine)
+    first_epoch = 0
+    if resume_from:
+        engine.load_checkpoint(os.path.dirname(resume_from), tag=os.path.basename(resume_from))
+        first_epoch = int(os.path.basename(resume_from).split("_")[-1]) + 1
+    last, start = _weights(engine), engine.global_steps
     try:
-        for _ in range(epochs):
+        for epoch in range(first_epoch, epochs):
             for step in range(samples):
                 loss = engine(rows[step:step + 1]).sum()
                 engine.backward(loss)
@@ -87,12 +94,16 @@ def run_chat_loop(samples: int, gas: int, epochs: int, stage: int = 0, policy: O
                     run.updates.append([i for i, moved in enumerate((now - last).tolist()) if abs(moved) > 1e-9])
                 last = now
             run.epoch_ends.append(engine.global_steps)
+            if save_to:
+                engine.save_checkpoint(save_to, tag=f"epoch_{epoch}")
     except StepSyncError as exc:
         run.error = exc
     if run.watch is not None:
         run.watch.close()
     run.scheduler_steps = scheduler.last_epoch
-    run.unapplied = len(run.engine_steps) - engine.global_steps * gas
+    # The engine's open window at the end: the micro-batches after its count last rose.
+    rose = [i for i, steps in enumerate(run.engine_steps) if steps != (run.engine_steps[i - 1] if i else start)]
+    run.unapplied = len(run.engine_steps) - (rose[-1] + 1 if rose else 0)
     engine.destroy()
     return run
 

@@ -180,3 +180,33 @@ def test_two_ranks_lose_the_same_micro_batches_and_sync_and_raise_act_on_both(tm
     assert seen["sync"]["shares"] == [1.0] * 16 and seen["sync"]["lost"] == [] and seen["sync"]["counts"] == [2, 2]
     assert seen["raise"]["error"] == "GradientsLostError" and seen["raise"]["shares"] == [0.0] * 16
     assert seen["raise"]["engine_steps"] == []
+
+
+@pytest.mark.parametrize("policy", ["warn", "sync"])
+def test_checkpoints_keep_the_record_and_a_resume_carries_the_report_on(tmp_path, policy):
+    """DeepSpeed-Chat's loop saving with engine.save_checkpoint after each epoch, then resumed with
+    engine.load_checkpoint from the first epoch's: the record in the folder holds both counts as the loop saw them;
+    the save that leaves a micro-batch in DeepSpeed's open window is said; the resumed run's report continues the
+    saved one, its counts those the resumed loop itself saw."""
+    import json
+
+    from harness.raw_loops import run_chat_loop
+
+    full = run_chat_loop(7, 3, 2, policy=policy, save_to=str(tmp_path))
+    record = json.load(open(tmp_path / "epoch_0" / "stepsync_state.json"))
+    assert (record["trainer_steps"], record["engine_steps"]) == (3, full.epoch_ends[0])
+    assert (record["next_epoch"], record["next_skip"]) == (1, 0)
+    open_window = [note for note in full.watch.report.notes if "open window" in note]
+    assert bool(open_window) == (policy == "warn")  # sync closes the epoch's last window before the save
+
+    resumed = run_chat_loop(7, 3, 2, policy=policy, resume_from=str(tmp_path / "epoch_0"))
+    report = resumed.watch.report
+    assert report.resumed_from is not None and report.resumed_from.trainer_steps == 3
+    assert (report.trainer_steps, report.engine_steps) == (6, resumed.epoch_ends[-1])
+    assert [row.epoch for row in report.epochs] == [2]
+    assert report.unapplied_micro_batches == resumed.unapplied
+    if policy == "sync":
+        assert resumed.updates == [[0, 1, 2], [3, 4, 5], [6]] and report.events == []
+    else:  # the engine's window restarts at the resume: 7 micro-batches make 2 updates, 1 never applied
+        assert resumed.epoch_ends == [4] and resumed.unapplied == 1
+        assert [(e.epoch, e.drift) for e in report.events] == [(1, 1), (2, 2)]  # the saved event, then its own
