@@ -7,8 +7,10 @@ its PR 1498, OpenRLHF's dynamic batches), on CPU; probes/raw_loop.json keeps the
                                                            late (False before each backward, True only before
                                                            step(): K unknown until the step), closed (as late,
                                                            then one backward of a zero loss closes the window),
+                                                           reduced (as late, then engine.allreduce_gradients()),
                                                            unmanaged ("managed_gradient_accumulation": false in
-                                                           the config, DeepSpeed >= 0.19.4: step() is the boundary)
+                                                           the config, where DeepSpeed has it: step() is the
+                                                           boundary)
 
 Prints one JSON line: the engine's global_steps and micro_steps after the step, and each sample's share of the
 update (a one-hot linear model under plain SGD at lr 1 makes it exact: 1 is a micro-batch applied whole).

@@ -54,11 +54,12 @@ def _weights(engine: Any) -> Any:
 
 
 def run_chat_loop(samples: int, gas: int, epochs: int, stage: int = 0, policy: Optional[str] = None,
-                  save_to: Optional[str] = None, resume_from: Optional[str] = None) -> ChatLoopRun:
+                  save_to: Optional[str] = None, resume_from: Optional[str] = None,
+                  nan_at: Optional[int] = None) -> ChatLoopRun:
     """The loop above; ``policy``: ``stepsync.watch(engine, policy=...)`` is called on its engine first (given the
     loop's dataloader length and epochs). ``save_to``: ``engine.save_checkpoint(save_to, tag=f"epoch_{e}")`` after
     every epoch; ``resume_from``: ``engine.load_checkpoint`` of such a folder first, and training from the epoch
-    after it."""
+    after it; ``nan_at``: that micro-batch's loss (1-based, across epochs) is not finite."""
     cpu_distributed_env()
     import deepspeed
     import torch
@@ -86,11 +87,13 @@ def run_chat_loop(samples: int, gas: int, epochs: int, stage: int = 0, policy: O
         for epoch in range(first_epoch, epochs):
             for step in range(samples):
                 loss = engine(rows[step:step + 1]).sum()
+                if len(run.engine_steps) + 1 == nan_at:
+                    loss = loss * float("nan")
                 engine.backward(loss)
                 engine.step()
                 run.engine_steps.append(engine.global_steps)
                 now = _weights(engine)
-                if not torch.equal(now, last):
+                if not torch.equal(now, last) and torch.isfinite(now).all():
                     run.updates.append([i for i, moved in enumerate((now - last).tolist()) if abs(moved) > 1e-9])
                 last = now
             run.epoch_ends.append(engine.global_steps)

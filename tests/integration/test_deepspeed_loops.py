@@ -210,3 +210,56 @@ def test_checkpoints_keep_the_record_and_a_resume_carries_the_report_on(tmp_path
     else:  # the engine's window restarts at the resume: 7 micro-batches make 2 updates, 1 never applied
         assert resumed.epoch_ends == [4] and resumed.unapplied == 1
         assert [(e.epoch, e.drift) for e in report.events] == [(1, 1), (2, 2)]  # the saved event, then its own
+
+
+def test_a_skipped_update_is_seen_and_raise_stops_at_it():
+    """A micro-batch whose loss is not finite in the first window (ZeRO-2, fp32: DeepSpeed 0.19.8 skips that
+    update): the engine counts it, the report keeps it apart, and 'raise' stops there."""
+    from harness.raw_loops import run_chat_loop
+    from stepsync.core.errors import UpdateSkippedError
+
+    run = run_chat_loop(6, 3, 1, stage=2, policy="warn", nan_at=2)
+    report = run.watch.report
+    assert run.engine_steps == [0, 0, 1, 1, 1, 2] and run.updates == [[3, 4, 5]]  # the first update applied nothing
+    assert (report.engine_steps, report.engine_skipped, report.applied_steps) == (2, 1, 1)
+    assert [(skip.epoch, skip.micro_batch, skip.engine_steps) for skip in report.skipped_updates] == [(1, 3, 1)]
+    stopped = run_chat_loop(6, 3, 1, stage=2, policy="raise", nan_at=2)
+    assert isinstance(stopped.error, UpdateSkippedError) and stopped.engine_steps == [0, 0]
+
+
+@pytest.mark.parametrize("policy", ["warn", "sync", "raise"])
+def test_a_fault_inside_the_watch_never_ends_the_loop_unless_raise(monkeypatch, caplog, policy):
+    """A failure inside stepsync at the 4th micro-batch (injected into its own window arithmetic, never into
+    DeepSpeed): the loop trains every micro-batch as it would without stepsync from there (the engine's own
+    boundary given back), stepsync switches itself off once, saying so; under 'raise' the failure reaches the loop."""
+    import logging
+
+    from harness.raw_loops import run_chat_loop
+    from stepsync.deepspeed.watch import EngineWatch
+
+    calls = []
+    original = EngineWatch._ends_window
+
+    def failing(self, run, position):
+        calls.append(position)
+        if len(calls) == 3:  # micro-batch 4: the first step() came at 1
+            raise RuntimeError("injected failure in the window arithmetic")
+        return original(self, run, position)
+
+    monkeypatch.setattr(EngineWatch, "_ends_window", failing)
+    with caplog.at_level(logging.ERROR, logger="stepsync"):
+        if policy == "raise":
+            with pytest.raises(RuntimeError, match="injected failure"):
+                run_chat_loop(7, 3, 2, policy=policy)
+            return
+        run = run_chat_loop(7, 3, 2, policy=policy)
+    plain = run_chat_loop(7, 3, 2)
+    report = run.watch.report
+    assert run.error is None and len(run.engine_steps) == 14
+    assert not report.active and "injected failure" in report.inactive_reason
+    if policy == "warn":
+        assert (run.engine_steps, run.updates) == (plain.engine_steps, plain.updates)
+    else:  # sync steered the first window; from the fault the engine counts on its own
+        assert run.updates[0] == [0, 1, 2] and len(run.engine_steps) == 14
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR and "switched itself off" in r.getMessage()]
+    assert len(errors) == 1
