@@ -254,7 +254,7 @@ class LoopWatch(LoopAdapter):
         it now (DeepSpeed's optimizer.step() under accelerate does nothing itself)."""
         if self._pending and run.action.closes_late(run):
             engine = run.engine
-            if run.facts.boundary_replaces:
+            if run.facts.reduces_at_backward:
                 engine.backward(zero_loss(engine))
             engine.step()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from enum import Enum
 from typing import List, Optional, Tuple
 
 from .frameworks import BackwardCall
@@ -143,6 +144,23 @@ def weight_faults(deepspeed: str, stage: int, offload: bool, precision: str, g: 
     need the loss to be computed from another output tensor are included, to be confirmed at the first forward)."""
     return [fault for fault in FAULTS
             if fault.shows(deepspeed, stage, offload, precision, g, call, through_outputs, accelerate, world_size)]
+
+
+class SeveralBackwards(str, Enum):
+    """What ZeRO 1 and 2 make of a loop's several backward() calls before one step() with the config's G=1, by
+    release (``probes/raw_loop_probe.py``, ``probes/raw_loop.json``: fp32 and bf16, K=4, one-hot weights)."""
+
+    KEEPS_ALL = "keeps_all"  # every micro-batch applied (0.15.4 - 0.17.5 measured)
+    FAILS = "fails"  # TypeError at the second backward(); on ZeRO-2, with the boundary set before the last backward(),
+    # only that micro-batch applied, and a zero loss's closing backward() applies none (0.17.6 - 0.18.2 measured)
+    REPLACES = "replaces"  # each backward() at a boundary replaces the gradients reduced before it (0.18.3 - 0.19.8)
+
+
+def several_backwards(deepspeed: str) -> SeveralBackwards:
+    """What ZeRO 1 and 2 of release ``deepspeed`` make of several backward() calls before one step()."""
+    if parse_version(deepspeed) < parse_version("0.17.6"):
+        return SeveralBackwards.KEEPS_ALL
+    return SeveralBackwards.FAILS if parse_version(deepspeed) < parse_version("0.18.3") else SeveralBackwards.REPLACES
 
 
 def probes() -> list:

@@ -29,6 +29,7 @@ from ..core.events import Cause, LostGradients
 from ..core.frameworks import DEEPSPEED_LOOP
 from ..core.plan import RunPlan
 from ..core.versions import Stack, behaviour_of
+from ..core.weights import SeveralBackwards, several_backwards
 from ..display.output import ConsoleOutput
 from ..engine.deepspeed import is_engine, zero_loss
 from ..engine.faults import guarded
@@ -82,7 +83,9 @@ class EngineWatch(LoopAdapter):
         self._since_loop_update = 0  # backward() calls since the loop's window last closed
         self._marks = (0, 0)  # of those, how many had run at the last two backward() calls at a boundary
         self._unread = 0  # of those, the ones whose boundary was not read (a loop that steps after each)
-        self._replaces = False  # ZeRO 1-2 under the engine's own accumulation: a boundary replaces the one before
+        self._closes_at_backward = False  # ZeRO 1-2 under the engine's own accumulation: a late window needs one
+        self._replaces = False  # ... and this release replaces a boundary's gradients at the next boundary
+        self._unverified = False  # ... and this release's ZeRO-2 drops what stepsync cannot count (said once)
         self._counts_update = False
         self._ends = False  # the loop's window ends at the running micro-batch (a loop that steps after each)
         self._steers = False  # the policy sets the engine's boundary
@@ -116,7 +119,10 @@ class EngineWatch(LoopAdapter):
                                 plan=plan, action=engine_loop_action_for(self.policy))
         run, _ = open_run(self._opened, self._keep, training_starts=False)
         self.loop_steps = start
-        self._replaces = run.facts.boundary_replaces
+        self._closes_at_backward = run.facts.reduces_at_backward
+        several = several_backwards(behaviour.stack.deepspeed)
+        self._replaces = self._closes_at_backward and several is SeveralBackwards.REPLACES
+        self._unverified = self._closes_at_backward and run.facts.zero_stage == 2 and several is SeveralBackwards.FAILS
         self._steers = run.action.sets_the_boundary()
         self._reads_boundary = self._steers or self._replaces
         if start:
@@ -207,13 +213,16 @@ class EngineWatch(LoopAdapter):
             self._first_step(run, k)
         elif k > 1:
             self._per_micro_batch = False
+        if k > 1 and self._unverified:
+            self._unverified = False
+            self._say_unverified(run)
         self._reads_boundary = self._steers or (self._replaces and not self._per_micro_batch)
         self._quick_steps = bool(self._per_micro_batch) and not self._steers and run.facts.managed_accumulation
         position = run.position + (1 if self._pending else 0)
         self._counts_update = ends = (not self._per_micro_batch or not run.facts.managed_accumulation
                                       or self._ends_window(run, position))
         if ends and k and not self._at_boundary and run.action.closes_late(run):
-            if self._replaces:
+            if self._closes_at_backward:
                 backward(zero_loss(engine))  # DeepSpeed's own backward: the watch counts no micro-batch for it
             self._marks, self._at_boundary = (self._marks[1], self._since_update), True
         if (self._replaces and self._at_boundary and self._marks[0] and not self._unread
@@ -242,6 +251,20 @@ class EngineWatch(LoopAdapter):
                            "windows are its own, not the epoch's windows of G a forecast counts")
         else:
             make_forecast(run, opened)
+
+    @staticmethod
+    def _say_unverified(run: Run) -> None:
+        """ZeRO-2 of DeepSpeed 0.17.6 - 0.18.2 and several backward() calls before one step(): what each update holds
+        is not what stepsync can count. Refused where the policy would act on it (before anything is applied)."""
+        text = (f"on DeepSpeed {run.behaviour.stack.deepspeed} ZeRO-2 drops gradients of a loop that calls backward() "
+                "several times before step() (as probed on 0.17.6 - 0.18.2: a TypeError at the second backward(), "
+                "only the last micro-batch applied where the boundary is set before it, none where a window is "
+                "closed after it), and stepsync cannot count what each update holds: use DeepSpeed's own "
+                "accumulation (gradient_accumulation_steps=K in the config, step() after every backward()), ZeRO-1, "
+                "or DeepSpeed 0.18.3 or later")
+        if run.policy.stops or run.action.sets_the_boundary():
+            raise StepSyncConfigError(f"{text}; policy '{run.policy.value}' stops before this step() applies anything")
+        run.voice.warn(text)
 
     @guarded(steering=True)
     def _after_step(self, run: Run) -> None:

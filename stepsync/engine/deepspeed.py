@@ -72,9 +72,9 @@ class EngineFacts:
 
 
     @property
-    def boundary_replaces(self) -> bool:
-        """ZeRO 1 and 2 under the engine's own accumulation: each backward() at a boundary replaces the gradients an
-        earlier one reduced, so a window's boundary must come at its last backward(), or a backward() after it."""
+    def reduces_at_backward(self) -> bool:
+        """ZeRO 1 and 2 under the engine's own accumulation reduce a window's gradients in the backward() at its
+        boundary: a window whose boundary is known only at its step() is closed by one more backward()."""
         return self.zero_stage in (1, 2) and self.managed_accumulation
 
 
