@@ -90,7 +90,7 @@ class EngineWatch(LoopAdapter):
         self._ends = False  # the loop's window ends at the running micro-batch (a loop that steps after each)
         self._steers = False  # the policy sets the engine's boundary
         self._reads_boundary = True  # each backward's boundary is read (ZeRO 1-2's replaced gradients, or sync)
-        self._quick_steps = False  # a step() after one backward() needs only the count (no check, nothing to close)
+        self._quick_steps = False  # a step() after one backward() needs only the count (nothing to check or close)
         self._start(dataloader, num_epochs)
 
     @property
@@ -217,7 +217,8 @@ class EngineWatch(LoopAdapter):
             self._unverified = False
             self._say_unverified(run)
         self._reads_boundary = self._steers or (self._replaces and not self._per_micro_batch)
-        self._quick_steps = bool(self._per_micro_batch) and not self._steers and run.facts.managed_accumulation
+        # A loop that steps after each backward(): its window's end was known (and under sync set) before it.
+        self._quick_steps = bool(self._per_micro_batch) and run.facts.managed_accumulation
         position = run.position + (1 if self._pending else 0)
         self._counts_update = ends = (not self._per_micro_batch or not run.facts.managed_accumulation
                                       or self._ends_window(run, position))

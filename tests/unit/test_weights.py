@@ -92,3 +92,25 @@ def test_the_no_sync_fault_needs_accelerate_1_8_to_1_12_and_two_ranks():
     assert names("0.18.2", "1.8.0", 2, call="engine") == names("0.18.2", "1.8.0", 2, call="trainer") == []
     assert weight_faults("0.18.2", 1, False, "fp32", 3, "accelerate", False, "1.8.0", 2)[0].wrong_micro_batches(3) \
         == [1, 2]
+
+
+def test_several_backwards_per_step_by_release_is_what_the_probes_measured():
+    """probes/raw_loop.json (K=4 backward() calls, then step(), the config's G=1, ZeRO 1 and 2): every release's
+    rows agree with several_backwards."""
+    import json
+    import os
+
+    from stepsync.core.weights import SeveralBackwards, several_backwards
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    rows = json.load(open(os.path.join(root, "probes", "raw_loop.json")))
+    seen = {"1.0, 1.0, 1.0, 1.0": SeveralBackwards.KEEPS_ALL, "0.0, 0.0, 0.0, 1.0": SeveralBackwards.REPLACES}
+    checked = set()
+    for row in rows:
+        if row["mode"] != "plain" or row["stage"] not in (1, 2):
+            continue
+        found = (SeveralBackwards.FAILS if row.get("error", "").startswith("TypeError") else
+                 seen[", ".join(str(abs(share)) for share in row["shares"])])
+        assert several_backwards(row["deepspeed"]) is found, row
+        checked.add(row["deepspeed"])
+    assert len(checked) >= 11 and {"0.17.5", "0.17.6", "0.18.2", "0.18.3"} <= checked
