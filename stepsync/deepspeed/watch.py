@@ -39,6 +39,9 @@ from ..engine.policies import engine_loop_action_for
 from ..engine.run import Run
 from .checkpoints import EngineCheckpoints, checkpoint_folder
 
+UNSEEN_BACKWARD = ("engine.step() came with no engine.backward() before it: your loop calls backward another way "
+                   "(loss.backward(), which DeepSpeed accepts on ZeRO 1-3), so stepsync cannot count its micro-batches "
+                   "and watches no further; call engine.backward(loss) to have it watched")
 SEVERAL_BACKWARDS = ("your loop called backward() {k} times before step(), and the engine counts its windows in "
                      "step() calls (gradient_accumulation_steps={g} in the DeepSpeed config): {effect}; set "
                      "gradient_accumulation_steps to 1 in the config")
@@ -209,6 +212,11 @@ class EngineWatch(LoopAdapter):
     @guarded(steering=True)
     def _before_step(self, run: Run, backward: Any) -> None:
         k, engine = self._backwards, self.engine
+        if k == 0:
+            if run.policy.stops:
+                raise StepSyncConfigError(f"{UNSEEN_BACKWARD}; policy '{run.policy.value}' stops here")
+            self._switch_off(UNSEEN_BACKWARD)
+            return
         if self._per_micro_batch is None:
             self._first_step(run, k)
         elif k > 1:

@@ -123,11 +123,13 @@ class LearnerLoopRun:
 
 
 def run_learner_loop(accumulation_steps: int, steps: int, stage: int = 0, gas: int = 1, bf16: bool = False,
-                     policy: Optional[str] = None, set_boundary: bool = False, managed: bool = True) -> LearnerLoopRun:
+                     policy: Optional[str] = None, set_boundary: bool = False, managed: bool = True,
+                     torch_backward: bool = False) -> LearnerLoopRun:
     """The learner loop above, ``steps`` times ``accumulation_steps`` micro-batches of distinct samples (this rank's
     share of them where there are several ranks). ``gas``: the DeepSpeed config's G; ``set_boundary``: the loop sets
     the engine's boundary itself before each backward (the fix); ``managed=False``: the config's
-    ``"managed_gradient_accumulation": false``."""
+    ``"managed_gradient_accumulation": false``; ``torch_backward``: ``loss.backward()`` in place of
+    ``engine.backward(loss)`` (which DeepSpeed accepts on ZeRO 1-3)."""
     cpu_distributed_env()
     import deepspeed
     import torch
@@ -157,7 +159,7 @@ def run_learner_loop(accumulation_steps: int, steps: int, stage: int = 0, gas: i
                 if set_boundary:
                     engine.set_gradient_accumulation_boundary((local_step + 1) % accumulation_steps == 0)
                 loss = engine(rows[sample:sample + 1]).sum() / accumulation_steps
-                engine.backward(loss)
+                loss.backward() if torch_backward else engine.backward(loss)
                 if (local_step + 1) % accumulation_steps == 0:
                     engine.step()
                     run.engine_steps.append(engine.global_steps)

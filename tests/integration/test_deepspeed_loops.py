@@ -263,3 +263,22 @@ def test_a_fault_inside_the_watch_never_ends_the_loop_unless_raise(monkeypatch, 
         assert run.updates[0] == [0, 1, 2] and len(run.engine_steps) == 14
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR and "switched itself off" in r.getMessage()]
     assert len(errors) == 1
+
+
+@pytest.mark.parametrize("policy", ["warn", "raise"])
+def test_a_loop_whose_backward_the_watch_cannot_see_is_not_reported_on(policy):
+    """loss.backward() in place of engine.backward(loss) (DeepSpeed 0.19 accepts it on ZeRO 1-3): the watch sees
+    step() calls without micro-batches, so it says it cannot count them and watches no further (never a report of
+    updates it did not see); under 'raise' it stops there."""
+    from harness.raw_loops import run_learner_loop
+    from stepsync.core.errors import StepSyncConfigError
+
+    plain = run_learner_loop(4, 2, 2, torch_backward=True)
+    watched = run_learner_loop(4, 2, 2, torch_backward=True, policy=policy)
+    report = watched.watch.report
+    if policy == "raise":
+        assert isinstance(watched.error, StepSyncConfigError) and watched.engine_steps == []
+        return
+    assert watched.error is None and (watched.engine_steps, watched.shares) == (plain.engine_steps, plain.shares)
+    assert not report.active and "cannot count its micro-batches" in report.inactive_reason
+    assert report.events == [] and report.lost_gradients == []
