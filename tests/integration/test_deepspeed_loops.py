@@ -282,3 +282,21 @@ def test_a_loop_whose_backward_the_watch_cannot_see_is_not_reported_on(policy):
     assert watched.error is None and (watched.engine_steps, watched.shares) == (plain.engine_steps, plain.shares)
     assert not report.active and "cannot count its micro-batches" in report.inactive_reason
     assert report.events == [] and report.lost_gradients == []
+
+
+def test_check_forecasts_the_watched_loop_under_sync():
+    """`stepsync check --framework deepspeed --policy sync` before the run, against the run the watch made under
+    sync: the loop's windows and the engine's updates, epoch by epoch."""
+    import json
+
+    from harness.cli import stepsync
+    from harness.raw_loops import run_chat_loop
+
+    run = run_chat_loop(7, 3, 2, policy="sync")
+    proc = stepsync("check", "--framework", "deepspeed", "--micro-batches-per-epoch", "7", "--gas", "3", "--epochs",
+                    "2", "--policy", "sync", "--json")
+    forecast = json.loads(proc.stdout)
+    assert proc.returncode == 0 and forecast["drift"] == 0
+    assert [epoch["engine_steps"] for epoch in forecast["epochs"]] == run.epoch_ends == [3, 6]
+    assert [(row.trainer_steps, row.engine_steps) for row in run.watch.report.epochs] == [
+        (epoch["trainer_steps"], epoch["engine_steps"]) for epoch in forecast["epochs"]]
