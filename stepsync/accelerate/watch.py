@@ -183,6 +183,8 @@ class LoopWatch(LoopAdapter):
     def _watched_optimizer_step(self, step: Any) -> Any:
         @functools.wraps(step)
         def watched_step(*args, **kwargs):
+            if not self._outside:  # inside accumulate() the backward counts: nothing to do here
+                return step(*args, **kwargs)
             self._before_optimizer_step()
             result = step(*args, **kwargs)
             self._after_optimizer_step()
