@@ -8,11 +8,13 @@ of the training loop spent in all of stepsync's hooks; (b') training throughput 
 interleaved runs (A B A B ...) and the median of the per-pair ratios; (c) the wall time of `stepsync check` and of
 `import stepsync`, and whether that import pulled in torch or deepspeed; (d) the forecast of 10^6
 micro-batches per epoch over 100 epochs; (e) the resume check; (f) `stepsync.watch(engine)` in loops that drive
-DeepSpeed's engine themselves: each hook's median and the share of the loop's time spent in them.
+DeepSpeed's engine themselves: each hook's median and the share of the loop's time spent in them; (g) reading each
+token's weight at the logits: its cost per micro-batch against a forward and backward, and what it takes of a run.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import subprocess
@@ -295,6 +297,53 @@ def measure_engine_watch(micro_batches: int, gas: int):
     return rows
 
 
+def measure_token_reading(repeats: int):
+    """(g): ``stepsync.engine.tokens.sequence_weights`` on the gradient at the logits, per micro-batch (median us),
+    against the micro-batch's own forward and backward: the tiny GPT-2 the runs above train (8 positions, 64
+    tokens), and a bigger shape (4 sequences of 512 positions, 32000 tokens: logits and a cross-entropy alone)."""
+    import torch
+
+    from stepsync.engine.tokens import sequence_weights
+    from stepsync.tools.tiny_run import TinyDataset, tiny_model
+
+    def median_us(work) -> float:
+        work()
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter_ns()
+            work()
+            samples.append(time.perf_counter_ns() - start)
+        return statistics.median(samples) / 1000
+
+    rows = []
+    model = tiny_model()
+    batch = {key: value.unsqueeze(0) for key, value in TinyDataset(1)[0].items()}
+    seen = {}
+
+    def step():
+        out = model(**batch)
+        out.logits.register_hook(lambda grad: seen.update(grad=grad, logits=out.logits.detach()))
+        out.loss.backward()
+
+    rows.append(("tiny GPT-2, 1 x 8 x 64", median_us(step),
+                 median_us(lambda: sequence_weights(seen["logits"], seen["grad"], 0))))
+    torch.manual_seed(0)
+    logits = torch.randn(4, 512, 32000, requires_grad=True)
+    labels = torch.randint(0, 32000, (4, 512))
+    labels[:, 300:] = -100
+
+    def cross_entropy():
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 32000), labels.reshape(-1), ignore_index=-100)
+        logits.grad = None
+        loss.backward()
+
+    cross_entropy()
+    grad = logits.grad.clone()
+    rows.append(("4 x 512 x 32000, cross-entropy alone", median_us(cross_entropy),
+                 median_us(lambda: sequence_weights(logits.detach(), grad, 0))))
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=400, help="micro-batches per run (default 400)")
@@ -390,6 +439,21 @@ def main(argv=None) -> int:
                             f"{GOALS['hook_median_us']} us")
         if share < GOALS["throughput_ratio"]:
             failures.append(f"engine watch {shape} {policy} share {share:.4f} < {GOALS['throughput_ratio']}")
+
+    from stepsync.engine.tokens import WINDOWS_READ
+
+    reads = WINDOWS_READ * args.gas
+    print(f"\n(g) each token's weight read at the logits (stepsync.engine.tokens), per micro-batch read, median us; "
+          f"read until a window tells the rules apart, at most {WINDOWS_READ} windows ({reads} micro-batches at G="
+          f"{args.gas}), then unhooked. 'share': of a {args.samples}-micro-batch run that reads the most (the goal "
+          "applies to the model's full step); 'runs from': the run length whose share reaches the goal")
+    print(f"{'shape':<38} {'forward+backward us':>20} {'read us':>9} {'read/step':>10} {'share':>7} {'runs from':>10}")
+    for shape, step_us, read_us in measure_token_reading(50):
+        share = 1 - min(reads, args.samples) * read_us / (args.samples * step_us)
+        enough = math.ceil(reads * read_us / step_us / (1 - GOALS["throughput_ratio"]))
+        print(f"{shape:<38} {step_us:>20.1f} {read_us:>9.1f} {read_us / step_us:>10.3f} {share:>7.4f} {enough:>10}")
+        if shape.startswith("tiny") and share < GOALS["throughput_ratio"]:
+            failures.append(f"token reading on {shape}: share {share:.4f} < {GOALS['throughput_ratio']}")
 
     print("\ngoals: " + ("all met" if not failures else "MISSED: " + "; ".join(failures)))
     return 1 if failures else 0

@@ -25,6 +25,7 @@ from ..core.errors import StepSyncConfigError, UnsupportedVersion
 from ..core.events import Cause
 from ..core.frameworks import ACCELERATE_LOOP
 from ..core.plan import RunPlan
+from ..core.tokens import Normalisation
 from ..core.versions import EngineBoundary, Stack, behaviour_of
 from ..display.output import ConsoleOutput
 from ..engine.deepspeed import engine_facts, is_engine, zero_loss
@@ -64,8 +65,10 @@ class LoopWatch(LoopAdapter):
     """
 
     def __init__(self, accelerator: Any, policy: Policy, dataloader: Any, num_epochs: Optional[float],
-                 console: Any, asked_g: Optional[int] = None) -> None:
+                 console: Any, asked_g: Optional[int] = None,
+                 loss_normalisation: Normalisation = Normalisation.TOKEN_MEAN) -> None:
         self.accelerator = accelerator
+        self.loss_normalisation = loss_normalisation
         self.policy = policy
         self.output = ConsoleOutput(console)
         self.report = idle_report(ACCELERATE_LOOP, policy)
@@ -118,7 +121,8 @@ class LoopWatch(LoopAdapter):
         in_force = engine_facts(engine).gradient_accumulation_steps or g  # accelerate < 1.8 may keep the code's G
         self._opened = RunStart(ACCELERATE_LOOP, self.policy, engine, behaviour, n, g, self.output,
                                 is_main=bool(getattr(getattr(accelerator, "state", None), "is_main_process", True)),
-                                plan=plan, action=loop_action_for(self.policy), asked_g=g_asked(asked_g, in_force))
+                                plan=plan, action=loop_action_for(self.policy), asked_g=g_asked(asked_g, in_force),
+                                loss_normalisation=self.loss_normalisation)
         # The forecast waits for the first micro-batch: a load_state before it changes where the loop starts.
         open_run(self._opened, self._keep, training_starts=False)
         if n is None and self._run is not None:
@@ -319,7 +323,8 @@ def g_asked(in_code: Optional[int], in_force: int) -> Tuple[Tuple[str, int, str]
 
 def watch(accelerator: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any = None,
           num_epochs: Optional[float] = None, console: Any = None,
-          gradient_accumulation_steps: Optional[int] = None) -> LoopWatch:
+          gradient_accumulation_steps: Optional[int] = None,
+          loss_normalisation: Union[str, Normalisation] = Normalisation.TOKEN_MEAN) -> LoopWatch:
     """Watch a custom accelerate training loop on DeepSpeed; call it after ``accelerator.prepare(...)``.
 
     Args:
@@ -333,6 +338,9 @@ def watch(accelerator: Any, policy: Union[str, Policy] = Policy.WARN, dataloader
         gradient_accumulation_steps: the G your code gave ``Accelerator(...)``, held against the one in force
             (accelerate takes ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS`` over it, and the DeepSpeed config's value
             over both, with one log line); a difference is a warning naming the fix, a stop under ``raise``.
+        loss_normalisation: how each window's loss is meant to weigh its trained tokens: ``"token_mean"``
+            (default), ``"micro_batch_mean"`` or ``"sequence_mean"`` where that is deliberate; as for
+            :class:`stepsync.StepSyncCallback`.
         StepSyncConfigError: (a ``ValueError``) an unknown or refused policy, no DeepSpeed engine yet (call it
             after ``prepare``), or ``sync`` on an engine that cannot be steered.
         ValueError: a bad console.
@@ -353,4 +361,4 @@ def watch(accelerator: Any, policy: Union[str, Policy] = Policy.WARN, dataloader
         raise StepSyncConfigError(f"gradient_accumulation_steps={gradient_accumulation_steps!r}: pass the positive "
                                   "int your code gave Accelerator(gradient_accumulation_steps=...), or leave it out")
     return LoopWatch(accelerator, ACCELERATE_LOOP.parse_policy(policy), dataloader, num_epochs, console,
-                     gradient_accumulation_steps)
+                     gradient_accumulation_steps, Normalisation.parse(loss_normalisation))

@@ -1,7 +1,7 @@
 """Every error stepsync raises on purpose; each message names the fix, and all share one base."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from .events import DriftEvent, LostGradients, NonFiniteUpdate, SkippedUpdate
@@ -49,6 +49,20 @@ class GradientsLostError(StepSyncError, RuntimeError):
         super().__init__(f"{lost}; policy 'raise' stopped before that update: call "
                          "engine.set_gradient_accumulation_boundary(i == last) before each backward(), or use "
                          "policy='sync'")
+
+
+class LossNormalisationError(StepSyncError, RuntimeError):
+    """Raised by policy ``'raise'`` before the update of the first window whose trained tokens the loss weighs
+    otherwise than declared (a mean per micro-batch where a token mean is meant, or a sum); carries the
+    :class:`TokenWeighting` (None on a rank whose own window was right, stopped with the others). Nothing of that
+    window was applied."""
+
+    def __init__(self, weighting: Any) -> None:  # a core.tokens.TokenWeighting (core.tokens imports this module)
+        self.weighting = weighting
+        found = weighting.message() if weighting is not None else "another rank's window weighs its trained tokens " \
+            "otherwise than declared (that rank's log names it)"
+        super().__init__(f"loss normalisation: {found}; policy 'raise' stopped every rank before that window's "
+                         "update")
 
 
 class UnsafeCheckpointError(StepSyncError, RuntimeError):

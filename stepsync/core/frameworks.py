@@ -18,6 +18,17 @@ class _Named(str, Enum):
         return self.value
 
 
+# accelerate's examples/by_feature/gradient_accumulation_for_autoregressive_models.py, for every loop.
+LOOP_LOSS_FIX = ("sum each micro-batch's token losses and divide by the trained tokens of its whole window (counted "
+                 "before the window starts), then multiply by G where the framework divides by G (accelerate's "
+                 "gradient_accumulation_for_autoregressive_models example); or declare the rule meant: "
+                 "loss_normalisation='micro_batch_mean' or 'sequence_mean'")
+TRAINER_LOSS_FIX = ("divide the summed token losses by num_items_in_batch in your model's forward or compute_loss (a "
+                    "transformers model does); model.accepts_loss_kwargs = False makes the Trainer average each "
+                    "micro-batch's own mean instead; or declare the rule meant: "
+                    "StepSyncCallback(loss_normalisation='micro_batch_mean' or 'sequence_mean')")
+
+
 class TrainerRule(_Named):
     """When the Trainer counts an update at micro-batch ``s`` (0-based in the epoch) of ``N``."""
 
@@ -116,6 +127,7 @@ class Framework:
             "lightning" among them the Lightning rows say how it counts (:attr:`releases`), else the Trainer's.
         loss_divisions: how many times a micro-batch's loss is divided by G where its loop fixes that, whatever
             the releases (None: the release table says); ``caveat``: what the forecast cannot know of it.
+        loss_fix: how a user of it makes each window's loss a mean over its trained tokens, in a message.
         checkpoints: the folders ``stepsync inspect`` reads of it: "trainer" (``checkpoint-N``, and Ray Train's),
             "accelerate" (``accelerator.save_state``'s), or "" where it saves neither.
     """
@@ -143,6 +155,7 @@ class Framework:
     loss_divisions: Optional[int] = None
     caveat: str = ""
     packages: Tuple[str, ...] = ("transformers", "accelerate", "deepspeed")
+    loss_fix: str = LOOP_LOSS_FIX
 
     @property
     def releases(self) -> str:
@@ -178,7 +191,8 @@ class Framework:
 TRAINER = Framework(
     name="the Trainer", who="Trainer", counter="Trainer global_step", whose_g="the Trainer's", key="trainer",
     metric_keys=("stepsync/trainer_steps", "stepsync/engine_steps", "stepsync/drift"),
-    backward_call=BackwardCall.TRAINER, ends_epochs_under=frozenset({Policy.DROP_LAST}), checkpoints="trainer")
+    backward_call=BackwardCall.TRAINER, ends_epochs_under=frozenset({Policy.DROP_LAST}), checkpoints="trainer",
+    loss_fix=TRAINER_LOSS_FIX)
 
 LIGHTNING = Framework(
     name="Lightning", who="Lightning", counter="Lightning global_step",

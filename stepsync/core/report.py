@@ -10,6 +10,7 @@ from .frameworks import TRAINER, Framework
 from .prediction import Forecast
 from .record import ResumeRecord
 from .relayout import ResumeShift
+from .tokens import TokenWeighting
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,9 @@ class SyncReport(Counted):
             (:class:`NonFiniteUpdate`); None while they are finite or where the engine checks its gradients.
         lost_gradients: each update the engine applied without some of the micro-batches the loop gave it
             (:class:`LostGradients`: several backward() calls per step() on ZeRO 1 and 2).
+        token_weighting: how the loss weighed each trained token in the first window whose micro-batches hold
+            different numbers of them (:class:`TokenWeighting`); None until such a window, or where the model has
+            no output embeddings to read it at.
         updater: who makes the updates ``engine_steps`` counts: ``"engine"`` (DeepSpeed's ``global_steps``) or
             ``"optimizer"`` (its steps, in a run without DeepSpeed).
     """
@@ -119,6 +123,7 @@ class SyncReport(Counted):
     non_finite: Optional[NonFiniteUpdate] = None
     weight_faults: List[str] = field(default_factory=list)
     lost_gradients: List[LostGradients] = field(default_factory=list)
+    token_weighting: Optional[TokenWeighting] = None
     updater: str = "engine"
 
     @property
@@ -164,6 +169,8 @@ class SyncReport(Counted):
         if self.resume_shift is not None and not self.resume_shift.exact:
             lines.append(f"resumed on another layout: {self.resume_shift.message()}")
         lines += [f"updates: {flaw}" for flaw in self.weight_faults + self.update_flaws]
+        if self.token_weighting is not None:
+            lines.append(f"tokens: {self.token_weighting.message()}")
         lines += [f"drift event: {event.message()}" for event in self.events]
         lines += [f"note: {note}" for note in self.notes]
         if not self.active and self.inactive_reason:
@@ -214,12 +221,14 @@ class SyncReport(Counted):
     def to_dict(self) -> dict:
         """Every field but the forecast (``forecast.to_dict()`` gives it), JSON-ready, with the drift and the
         missed updates."""
-        data = asdict(replace(self, forecast=None, events=[], resumed_from=None, resume_shift=None))
+        data = asdict(replace(self, forecast=None, events=[], resumed_from=None, resume_shift=None,
+                              token_weighting=None))
         del data["forecast"]
         data.update(policy=self.policy.value, framework=self.framework.name, counter=self.counter, drift=self.drift,
                     missed_updates=self.missed_updates, applied_steps=self.applied_steps,
                     events=[event.to_dict() for event in self.events],
                     dropped_micro_batches={str(k): v for k, v in self.dropped_micro_batches.items()},
                     resumed_from=self.resumed_from.to_dict() if self.resumed_from else None,
-                    resume_shift=self.resume_shift.to_dict() if self.resume_shift else None)
+                    resume_shift=self.resume_shift.to_dict() if self.resume_shift else None,
+                    token_weighting=self.token_weighting.to_dict() if self.token_weighting else None)
         return data

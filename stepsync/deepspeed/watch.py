@@ -28,6 +28,7 @@ from ..core.errors import StepSyncConfigError, UnsupportedVersion
 from ..core.events import Cause, LostGradients
 from ..core.frameworks import DEEPSPEED_LOOP
 from ..core.plan import RunPlan
+from ..core.tokens import Normalisation
 from ..core.versions import Stack, behaviour_of
 from ..core.weights import SeveralBackwards, several_backwards
 from ..display.output import ConsoleOutput
@@ -67,8 +68,9 @@ class EngineWatch(LoopAdapter):
     """
 
     def __init__(self, engine: Any, policy: Policy, dataloader: Any, num_epochs: Optional[float],
-                 console: Any) -> None:
+                 console: Any, loss_normalisation: Normalisation = Normalisation.TOKEN_MEAN) -> None:
         self.engine, self.policy = engine, policy
+        self.loss_normalisation = loss_normalisation
         self.output = ConsoleOutput(console)
         self.report = idle_report(DEEPSPEED_LOOP, policy)
         self.loop_steps = 0
@@ -119,7 +121,8 @@ class EngineWatch(LoopAdapter):
         plan = None if n is None or num_epochs is None else RunPlan(n, g, num_epochs, -1, start, start)
         self._opened = RunStart(DEEPSPEED_LOOP, self.policy, engine, behaviour, n, g, self.output,
                                 is_main=int(getattr(engine, "global_rank", 0) or 0) == 0, trainer_steps=start,
-                                plan=plan, action=engine_loop_action_for(self.policy))
+                                plan=plan, action=engine_loop_action_for(self.policy),
+                                loss_normalisation=self.loss_normalisation)
         run, _ = open_run(self._opened, self._keep, training_starts=False)
         self.loop_steps = start
         self._closes_at_backward = run.facts.reduces_at_backward
@@ -307,7 +310,8 @@ class EngineWatch(LoopAdapter):
 
 
 def watch(engine: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any = None,
-          num_epochs: Optional[float] = None, console: Any = None) -> EngineWatch:
+          num_epochs: Optional[float] = None, console: Any = None,
+          loss_normalisation: Union[str, Normalisation] = Normalisation.TOKEN_MEAN) -> EngineWatch:
     """Watch a loop that drives DeepSpeed's engine itself; call it after ``deepspeed.initialize(...)``.
 
     Args:
@@ -320,6 +324,9 @@ def watch(engine: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any
             and makes the forecast).
         num_epochs: the epochs the loop runs, for the forecast.
         console: as for :class:`stepsync.StepSyncCallback`.
+        loss_normalisation: how each window's loss is meant to weigh its trained tokens: ``"token_mean"``
+            (default), ``"micro_batch_mean"`` or ``"sequence_mean"`` where that is deliberate; as for
+            :class:`stepsync.StepSyncCallback`.
 
     Raises:
         StepSyncConfigError: (a ``ValueError``) an unknown or refused policy, or not an engine.
@@ -334,4 +341,5 @@ def watch(engine: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any
                     engine.step()
         print(sync.report)
     """
-    return EngineWatch(engine, DEEPSPEED_LOOP.parse_policy(policy), dataloader, num_epochs, console)
+    return EngineWatch(engine, DEEPSPEED_LOOP.parse_policy(policy), dataloader, num_epochs, console,
+                       Normalisation.parse(loss_normalisation))

@@ -21,6 +21,7 @@ from ..core.prediction import what_the_updates_miss
 from ..core.record import ResumeRecord, step_of
 from ..core.relayout import Layout, ResumeShift
 from ..core.report import LoadedCheckpoint, SyncReport
+from ..core.tokens import Normalisation
 from ..core.versions import StackBehaviour
 from ..core.weights import weight_faults
 from ..display.output import ConsoleOutput, logger
@@ -29,6 +30,7 @@ from .policies import action_for
 from .resume import continue_from
 from .run import Run
 from .steering import PolicyAction, Steering
+from .tokens import watch_tokens
 
 
 @dataclass
@@ -59,6 +61,7 @@ class RunStart:
             change where they differ.
         asked_g: each place the user set G that the framework may have overridden: (where, value, the fix when
             it is not the G in force).
+        loss_normalisation: how the user means each window's loss to weigh its trained tokens.
     """
 
     framework: Framework
@@ -83,6 +86,7 @@ class RunStart:
     asked_clip: Optional[float] = None
     clip_fix: str = 'set "gradient_clipping": "auto" in the DeepSpeed config'
     asked_g: Tuple[Tuple[str, int, str], ...] = ()
+    loss_normalisation: Normalisation = Normalisation.TOKEN_MEAN
 
 
 def idle_report(framework: Framework, policy: Policy, reason: str = "", level: int = logging.INFO,
@@ -124,6 +128,7 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None,
     say_the_clip(run, start.asked_clip, start.clip_fix, "before the first micro-batch")
     in_force = run.facts.gradient_accumulation_steps or run.g
     _say_the_weight_faults(run, start.behaviour.stack, in_force, start.framework.backward_call)
+    run.token_weights = watch_tokens(run, start.loss_normalisation, start.framework.loss_fix)
     for where, asked, fix in start.asked_g:
         if asked != in_force:
             _refuse_or_warn(run, f"{where} asks gradient_accumulation_steps={asked} but the engine accumulates "

@@ -69,7 +69,7 @@ class Run:
                  "engine_at_last_update", "engine_moved_in_window",
                  "facts", "behaviour", "n", "g", "output", "is_main", "plan", "epoch", "start_epoch", "skip",
                  "done_before_epoch", "t_before_epoch", "remedy", "known_cause", "checks_every_micro_batch", "layout",
-                 "output_hooks")
+                 "output_hooks", "token_weights", "loop_window_ends", "stopped")
 
     def __init__(self, engine: Any, behaviour: StackBehaviour, n: Optional[int], g: int, report: SyncReport,
                  output: ConsoleOutput, action: PolicyAction, start_epoch: int = 0, skip: int = 0,
@@ -107,6 +107,9 @@ class Run:
         self.checks_every_micro_batch = checks_every_micro_batch
         self.layout = layout
         self.output_hooks: Any = None  # stepsync.engine.outputs.OutputHooks, where a weight fault needs them
+        self.token_weights: Any = None  # stepsync.engine.tokens.TokenWeights, until a window names its rule
+        self.loop_window_ends: Optional[bool] = None  # the loop's word on the micro-batch running now
+        self.stopped = False  # policy 'raise' stopped training inside a micro-batch: its epoch did not end
 
     # ------------------------------------------------------------ the policy's decisions
 
@@ -128,6 +131,7 @@ class Run:
 
     def before_micro_batch(self, ends_window: bool) -> None:
         """A loop's own word on the micro-batch about to run: whether it ends the loop's window."""
+        self.loop_window_ends = ends_window
         self.action.before_micro_batch(self, ends_window)
 
     def after_micro_batch(self, trainer_updated: bool, trainer_steps: int) -> Optional[Steering]:
@@ -186,8 +190,9 @@ class Run:
         """Training ended: give the engine's boundary back and close the report. True when the engine's count
         moved after the last micro-batch (the framework loaded a checkpoint into it)."""
         self.action.end(self)
-        if self.output_hooks is not None:
-            self.output_hooks.remove()
+        for hooks in (self.output_hooks, self.token_weights):
+            if hooks is not None:
+                hooks.remove()
         if not self.facts.deepspeed:
             self.engine.stop_counting()
         self.updates.check_weights_now(self)
@@ -277,7 +282,7 @@ class Run:
         self.report.epochs.append(EpochCount(self.epoch + 1, self.position - self._first_position(), trainer_steps,
                                              self.engine_steps_seen, self.updates.skipped_seen))
         predicted: Optional[Forecast] = self.report.forecast
-        if predicted is None:
+        if predicted is None or self.stopped:
             return
         epoch = self.epoch + 1
         row = next((r for r in predicted.epochs if r.epoch == epoch), None)

@@ -13,6 +13,7 @@ from ..core.lightning_versions import LightningStack, lightning_behaviour_of
 from ..core.plan import RunPlan
 from ..core.record import ResumeRecord
 from ..core.relayout import position, replayed_epoch_shift
+from ..core.tokens import Normalisation
 from ..display.output import ConsoleOutput
 from ..engine.faults import Adapter, guarded
 from ..engine.lifecycle import RunStart, close_run, idle_report, open_run
@@ -39,6 +40,9 @@ class StepSyncCallback(Callback, Adapter):
             leftover micro-batches not trained) or ``"drop_last"`` (an epoch's leftover micro-batches not
             trained: no compute spent on them). ``"realign"`` is refused: Lightning's count cannot be set.
         console: a ``rich.console.Console``, ``None`` for one on stderr, or ``False`` for none.
+        loss_normalisation: how each window's loss is meant to weigh its trained tokens: ``"token_mean"``
+            (default), ``"micro_batch_mean"`` or ``"sequence_mean"`` where that is deliberate; as for
+            :class:`stepsync.StepSyncCallback`.
 
     Raises:
         ValueError: an unknown or refused policy, or a console that is not a rich Console.
@@ -54,8 +58,10 @@ class StepSyncCallback(Callback, Adapter):
         trainer.fit(model, train_dataloader)
     """
 
-    def __init__(self, policy: Union[str, Policy] = Policy.WARN, console: Any = None) -> None:
+    def __init__(self, policy: Union[str, Policy] = Policy.WARN, console: Any = None,
+                 loss_normalisation: Union[str, Normalisation] = Normalisation.TOKEN_MEAN) -> None:
         self.policy = LIGHTNING.parse_policy(policy)
+        self.loss_normalisation = Normalisation.parse(loss_normalisation)
         self.output = ConsoleOutput(console)
         self.report = idle_report(LIGHTNING, self.policy)
         self._run: Optional[Run] = None
@@ -134,7 +140,8 @@ class StepSyncCallback(Callback, Adapter):
                           is_main=trainer.is_global_zero, trainer_steps=trainer.global_step,
                           plan=plan, start_epoch=epoch, skip=batch_idx, action=action,
                           record=record, layout=layout, shift=None if shift is None or shift.exact else shift,
-                          asked_clip=lightning_facts.asked_clip(trainer), clip_fix=lightning_facts.CLIP_FIX),
+                          asked_clip=lightning_facts.asked_clip(trainer), clip_fix=lightning_facts.CLIP_FIX,
+                          loss_normalisation=self.loss_normalisation),
                  self._keep)
 
     def _keep(self, run: Run) -> None:

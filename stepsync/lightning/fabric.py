@@ -25,6 +25,7 @@ from ..core.errors import StepSyncConfigError, UnsupportedVersion
 from ..core.events import Cause
 from ..core.frameworks import FABRIC_LOOP
 from ..core.lightning_versions import FabricZero12, LightningStack, fabric_zero12, lightning_behaviour_of
+from ..core.tokens import Normalisation
 from ..display.output import ConsoleOutput
 from ..engine.faults import guarded
 from ..engine.lifecycle import RunStart, close_run, idle_report, open_run
@@ -51,8 +52,10 @@ class FabricWatch(LoopAdapter):
     A failure inside stepsync never reaches your loop (it is logged once, and a failure of its steering gives
     DeepSpeed and ``optimizer.step()`` their own behaviour back), except under ``policy="raise"``."""
 
-    def __init__(self, fabric: Any, model: Any, optimizer: Any, policy: Policy, dataloader: Any, console: Any):
+    def __init__(self, fabric: Any, model: Any, optimizer: Any, policy: Policy, dataloader: Any, console: Any,
+                 loss_normalisation: Normalisation = Normalisation.TOKEN_MEAN):
         self.fabric, self.optimizer, self.policy = fabric, optimizer, policy
+        self.loss_normalisation = loss_normalisation
         self.output = ConsoleOutput(console)
         self.report = idle_report(FABRIC_LOOP, policy)
         self.loop_steps = 0
@@ -86,7 +89,8 @@ class FabricWatch(LoopAdapter):
             warning = LOSES_GRADIENTS.format(stage=stage)
         run, _ = open_run(RunStart(FABRIC_LOOP, self.policy, engine, behaviour, length_of(dataloader), gas,
                                    self.output, is_main=bool(getattr(self.fabric, "is_global_zero", True)),
-                                   action=loop_action_for(self.policy)), self._keep)
+                                   action=loop_action_for(self.policy),
+                                   loss_normalisation=self.loss_normalisation), self._keep)
         if warning:
             run.voice.warn(warning)
         self._wrap()
@@ -149,7 +153,7 @@ class FabricWatch(LoopAdapter):
 
 
 def watch(fabric: Any, model: Any, optimizer: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any = None,
-          console: Any = None) -> FabricWatch:
+          console: Any = None, loss_normalisation: Union[str, Normalisation] = Normalisation.TOKEN_MEAN) -> FabricWatch:
     """Watch a Fabric loop on DeepSpeed; call it after ``model, optimizer = fabric.setup(model, optimizer)``.
 
     Args:
@@ -160,6 +164,9 @@ def watch(fabric: Any, model: Any, optimizer: Any, policy: Union[str, Policy] = 
             ``fabric.no_backward_sync(model, enabled=True)`` marks). ``"realign"`` and ``"drop_last"`` are refused.
         dataloader: the training dataloader (its length tells the epochs apart).
         console: as for :class:`stepsync.StepSyncCallback`.
+        loss_normalisation: how each window's loss is meant to weigh its trained tokens: ``"token_mean"``
+            (default), ``"micro_batch_mean"`` or ``"sequence_mean"`` where that is deliberate; as for
+            :class:`stepsync.StepSyncCallback`.
 
     Example::
 
@@ -172,4 +179,5 @@ def watch(fabric: Any, model: Any, optimizer: Any, policy: Union[str, Policy] = 
                     optimizer.step(); optimizer.zero_grad()
         print(sync.report)
     """
-    return FabricWatch(fabric, model, optimizer, FABRIC_LOOP.parse_policy(policy), dataloader, console)
+    return FabricWatch(fabric, model, optimizer, FABRIC_LOOP.parse_policy(policy), dataloader, console,
+                       Normalisation.parse(loss_normalisation))

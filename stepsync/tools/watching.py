@@ -7,6 +7,7 @@ from ..accelerate.watch import LoopWatch
 from ..accelerate.watch import watch as watch_accelerator
 from ..core.choices import Policy
 from ..core.errors import StepSyncConfigError
+from ..core.tokens import Normalisation
 from ..deepspeed.watch import EngineWatch
 from ..deepspeed.watch import watch as watch_engine
 from ..engine.deepspeed import is_engine
@@ -14,7 +15,8 @@ from ..engine.deepspeed import is_engine
 
 def watch(loop: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any = None,
           num_epochs: Optional[float] = None, console: Any = None,
-          gradient_accumulation_steps: Optional[int] = None) -> Union[LoopWatch, EngineWatch]:
+          gradient_accumulation_steps: Optional[int] = None,
+          loss_normalisation: Union[str, Normalisation] = Normalisation.TOKEN_MEAN) -> Union[LoopWatch, EngineWatch]:
     """Watch a custom training loop on DeepSpeed: give it the loop's ``accelerate.Accelerator`` (after
     ``accelerator.prepare(...)``) or the engine ``deepspeed.initialize(...)`` returned, for a loop that drives the
     engine itself.
@@ -27,14 +29,18 @@ def watch(loop: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any =
         num_epochs: the epochs the loop runs, for the forecast.
         console: as for :class:`stepsync.StepSyncCallback`.
         gradient_accumulation_steps: an accelerate loop's only: the G your code gave ``Accelerator(...)``.
+        loss_normalisation: how each window's loss is meant to weigh its trained tokens: ``"token_mean"``
+            (default), ``"micro_batch_mean"`` or ``"sequence_mean"`` where that is deliberate; as for
+            :class:`stepsync.StepSyncCallback`.
 
     Returns the watch (:class:`stepsync.LoopWatch`, or :class:`stepsync.deepspeed.watch.EngineWatch` for an engine):
     a context manager; its ``report`` is the run's. Each kind's own ``watch`` says more
     (``stepsync.accelerate.watch.watch``, ``stepsync.deepspeed.watch.watch``).
     """
     if not is_engine(loop):
-        return watch_accelerator(loop, policy, dataloader, num_epochs, console, gradient_accumulation_steps)
+        return watch_accelerator(loop, policy, dataloader, num_epochs, console, gradient_accumulation_steps,
+                                 loss_normalisation)
     if gradient_accumulation_steps is not None:
         raise StepSyncConfigError("gradient_accumulation_steps is for an accelerate loop: a DeepSpeed engine's G is "
                                   "its config's; leave it out")
-    return watch_engine(loop, policy, dataloader, num_epochs, console)
+    return watch_engine(loop, policy, dataloader, num_epochs, console, loss_normalisation)

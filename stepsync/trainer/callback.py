@@ -12,6 +12,7 @@ from ..core.errors import StepSyncConfigError, StepSyncError, UnsupportedVersion
 from ..core.frameworks import TRAINER
 from ..core.record import CALLBACK_NAME
 from ..core.report import SyncReport
+from ..core.tokens import Normalisation
 from ..core.versions import Stack, behaviour_of, without_an_engine
 from ..display.output import ConsoleOutput, logger
 from ..engine.faults import Adapter, guarded
@@ -70,6 +71,11 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
             :class:`stepsync.Policy` member works too.
         console: a ``rich.console.Console`` for tables and panels, ``None`` for one on stderr, or ``False``
             for none (the logger still speaks).
+        loss_normalisation: how each window's loss is meant to weigh its trained tokens: ``"token_mean"``
+            (default: every trained token of a window weighs the same), or a rule that is deliberate:
+            ``"micro_batch_mean"`` or ``"sequence_mean"`` (DPO and other per-sequence losses). At the first window
+            whose micro-batches hold different numbers of trained tokens, stepsync reads each token's weight at the
+            logits of a model with output embeddings and holds the run to this rule.
 
     Raises:
         ValueError: for an unknown policy or a console that is not a rich Console.
@@ -98,10 +104,12 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
             return restoring
         return super().__new__(cls)
 
-    def __init__(self, policy: Union[str, Policy] = Policy.WARN, console: Any = None) -> None:
+    def __init__(self, policy: Union[str, Policy] = Policy.WARN, console: Any = None,
+                 loss_normalisation: Union[str, Normalisation] = Normalisation.TOKEN_MEAN) -> None:
         if self.__dict__.pop("_restored_with", None) is not None:
             return  # the Trainer is restoring this very instance: keep the user's choices
         self.policy = TRAINER.parse_policy(policy)
+        self.loss_normalisation = Normalisation.parse(loss_normalisation)
         self.output = ConsoleOutput(console)
         self._report = idle_report(TRAINER, self.policy)
         self._run: Optional[Run] = None
@@ -157,7 +165,7 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
         failure = None
         try:
             start_run(trainer, args, state, engine, train_dataloader, behaviour, self.policy, self.output,
-                      trainer_facts.speaks(args, state), keep=self._keep)
+                      trainer_facts.speaks(args, state), keep=self._keep, loss_normalisation=self.loss_normalisation)
         except StepSyncError:
             raise
         except Exception as exc:
@@ -227,7 +235,8 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
         except Exception:  # never break the Trainer's save
             logger.debug("could not build the resume record", exc_info=True)
             record = None
-        return {"args": {"policy": self.policy.value}, "attributes": {"saved_record": record}}
+        return {"args": {"policy": self.policy.value, "loss_normalisation": self.loss_normalisation.value},
+                "attributes": {"saved_record": record}}
 
     @guarded(steering=True, needs_run=False)
     def on_train_end(self, args, state, control, **kwargs):

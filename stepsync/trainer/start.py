@@ -11,6 +11,7 @@ from ..core.errors import StepSyncConfigError
 from ..core.frameworks import TRAINER
 from ..core.plan import RunPlan, resume_position
 from ..core.record import record_from_files
+from ..core.tokens import Normalisation
 from ..core.versions import StackBehaviour
 from ..display.output import ConsoleOutput
 from ..engine.deepspeed import spread_across_ranks
@@ -34,7 +35,8 @@ class StartVerdict(Enum):
 
 
 def start_run(trainer: Any, args: Any, state: Any, engine: Any, train_dataloader: Any, behaviour: StackBehaviour,
-              policy: Policy, output: ConsoleOutput, is_main: bool, keep: Callable[[Run], None]) -> Run:
+              policy: Policy, output: ConsoleOutput, is_main: bool, keep: Callable[[Run], None],
+              loss_normalisation: Normalisation = Normalisation.TOKEN_MEAN) -> Run:
     """Open the run of ``trainer`` from its state; ``keep`` gets it as soon as it exists (so that a failure from
     then on switches it off). The plan a policy lowers is set in ``state``."""
     n = length_of(train_dataloader) or None
@@ -73,7 +75,7 @@ def start_run(trainer: Any, args: Any, state: Any, engine: Any, train_dataloader
         planned_steps=state.max_steps, plan=plan, start_epoch=start_epoch, skip=skip, layout=layout, record=record,
         record_problem=record_problem, shift=shift,
         inherited_remedy=REUSED_ENGINE_REMEDY if state.global_step == 0 else INHERITED_REMEDY,
-        asked_clip=trainer_facts.asked_clip(args)), built)
+        asked_clip=trainer_facts.asked_clip(args), loss_normalisation=loss_normalisation), built)
     if steering is not None and steering.max_steps is not None:
         state.max_steps = steering.max_steps
     return run

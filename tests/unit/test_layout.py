@@ -334,7 +334,7 @@ def test_the_drift_between_both_counts_is_defined_once():
 # read at any moment, or after a stop, holds everything found until then.
 REPORT_WRITERS = {"stepsync.engine.lifecycle", "stepsync.engine.resume", "stepsync.engine.run",
                   "stepsync.engine.messages", "stepsync.engine.outcomes", "stepsync.engine.outputs",
-                  "stepsync.core.report"}
+                  "stepsync.engine.tokens", "stepsync.core.report"}
 
 
 def test_only_the_run_and_its_lifecycle_write_the_report():
