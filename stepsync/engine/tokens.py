@@ -98,6 +98,7 @@ class TokenWeights:
         self.micro_batch = -1
         self.named: Optional[TokenWeighting] = None
         self.windows = 0
+        self.widest = 0  # the most micro-batches a window read held
         self.logits: List[Any] = []  # made by the head, not yet hooked
         self.handle: Any = head.register_forward_hook(self._after_head)
         engine = run.engine
@@ -157,9 +158,11 @@ class TokenWeights:
             self.named = self._name(window)
             wrong = not self.named.as_expected
         pending, wrong = self._agree(self.named is None and self.windows < WINDOWS_READ, wrong)
+        self.widest = max(self.widest, len(micro_batch_tokens(window)))
         if not pending and self.named is None:
-            self.run.voice.note(f"loss normalisation: not named: the first {self.windows} windows' micro-batches "
-                                "held numbers of trained tokens too close to tell the rules apart (within 25%)")
+            held = "windows held one micro-batch each" if self.widest < 2 else \
+                "windows' micro-batches held numbers of trained tokens too close to tell the rules apart (within 25%)"
+            self.run.voice.note(f"loss normalisation: not named: the first {self.windows} {held}")
         if not pending:
             self.remove()
         if wrong and self.run.policy.stops:

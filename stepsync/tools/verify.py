@@ -6,7 +6,10 @@ exact): a linear model with one weight per micro-batch, each micro-batch a one-h
 that micro-batch's share of the update. A right update gives each 1/G. The window runs twice: the model returning
 the loss alone, and returning it with the logits it is computed from (as every transformers model does), with
 backward called as the framework calls it (:data:`FRAMEWORK_CALLS`). Then a window with one non-finite loss: did
-the engine skip that update, or apply it? And the clip norm the engine applies.
+the engine skip that update, or apply it? And the clip norm the engine applies. Last, each trained token's weight:
+a window of a tiny causal LM whose micro-batches hold 3, 9, 17 and 33 trained tokens (cycled to G), its loss computed
+each way the framework's users compute it (:data:`LOSS_PATHS`), read at the logits' gradient as the run-time check
+reads it (:mod:`stepsync.engine.tokens`), and the rule it follows named.
 
 Single process, on the device DeepSpeed's accelerator finds (CPU here). Needs torch and deepspeed.
 """
@@ -25,6 +28,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ..core.choices import unsupported
 from ..core.errors import VerifyInputError
 from ..core.frameworks import FRAMEWORKS, BackwardCall
+from ..core.tokens import Normalisation, weigh_window
+from ..engine.tokens import sequence_weights
 from .config import engine_settings
 from .tiny_run import cpu_distributed_env
 
@@ -34,6 +39,19 @@ LOSS_SCALE = 1e-3
 TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-3}
 # How each framework calls backward on the engine (its descriptor's BackwardCall), and its name in words.
 FRAMEWORK_CALLS = {framework.key: (framework.backward_call, framework.name) for framework in FRAMEWORKS}
+# Trained tokens of the token window's micro-batches, cycled to G: counts that tell the rules apart.
+TOKEN_COUNTS = (3, 9, 17, 33)
+VOCABULARY = 64
+# How each framework's users compute a window's loss, in words: (the loss path, what it is).
+LOSS_PATHS = {
+    "trainer": (("divided by num_items_in_batch", "a transformers model's loss (the Trainer passes num_items_in_batch "
+                 "and does not divide by G, as transformers 4.47 and later do)"),
+                ("own mean, not divided by G", "a model whose forward takes **kwargs and ignores num_items_in_batch")),
+    "lightning": (("own mean", "each micro-batch's own mean, as F.cross_entropy gives it"),),
+    "default": (("own mean", "each micro-batch's own mean, as F.cross_entropy gives it (the examples)"),
+                ("window tokens, times G", "summed and divided by the window's trained tokens, times G "
+                 "(accelerate's gradient_accumulation_for_autoregressive_models example)")),
+}
 KEYS_REPLACED = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
                  "gradient_accumulation_steps")
 
@@ -56,6 +74,9 @@ class Verdict:
             ``skipped_steps`` rose, the weights did not move), "applied" (the weights are no longer finite), or
             "moved on" (neither: the weights moved and stayed finite).
         notes: what was changed in the config to measure, and why.
+        tokens: each loss path's token window (:data:`LOSS_PATHS`): its words, and the rule its weights follow
+            (:meth:`stepsync.core.tokens.TokenWeighting.to_dict`) with each micro-batch's token weight times the
+            window's trained tokens (1 for each under a token mean).
     """
 
     deepspeed: str
@@ -70,6 +91,7 @@ class Verdict:
     clip: float = 0.0
     non_finite: str = ""
     notes: List[str] = field(default_factory=list)
+    tokens: List[Dict[str, Any]] = field(default_factory=list)
 
     def wrong(self, weights: Optional[List[float]] = None) -> List[int]:
         """1-based micro-batches whose share is not 1/G (of ``weights``; the loss-alone window by default)."""
@@ -231,6 +253,68 @@ def _measure(verdict: Verdict, measured: Dict[str, Any], g: int, call: BackwardC
         verdict.non_finite = "applied"
     else:
         verdict.non_finite = "moved on"
+    for path, words in LOSS_PATHS.get(verdict.framework, LOSS_PATHS["default"]):
+        weighting, per_token = _token_window(measured, g, call, path)
+        verdict.tokens.append({"loss": words, **weighting.to_dict(), "per_token_times_n": per_token})
+
+
+def _reader(records: List[Any], logits: Any, micro_batch: int) -> Callable[[Any], None]:
+    """A hook on ``logits`` that adds its micro-batch's token weights to ``records``."""
+    return lambda grad: records.extend(sequence_weights(logits, grad, micro_batch))
+
+
+def _token_window(measured: Dict[str, Any], g: int, call: BackwardCall, path: str):
+    """One window of a tiny causal LM (an embedding and a head with ``get_output_embeddings``), micro-batch k one
+    sequence of ``TOKEN_COUNTS[k % 4]`` trained tokens, its loss computed by ``path`` and handed to the engine as
+    ``call`` does: (the rule named, each micro-batch's token weight times the window's trained tokens)."""
+    import deepspeed
+    import torch
+
+    torch.manual_seed(0)
+
+    class TinyLM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(VOCABULARY, 16)
+            self.head = torch.nn.Linear(16, VOCABULARY)
+
+        def get_output_embeddings(self):
+            return self.head
+
+        def forward(self, ids):
+            return self.head(torch.tanh(self.embed(ids)))
+
+    model = TinyLM()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                                      config=measured)
+    counts = [TOKEN_COUNTS[k % len(TOKEN_COUNTS)] for k in range(g)]
+    window_tokens = sum(counts)
+    records: List[Any] = []
+    generator = torch.Generator().manual_seed(1)
+    for k, count in enumerate(counts):
+        ids = torch.randint(0, VOCABULARY, (1, max(TOKEN_COUNTS) + 2), generator=generator).to(engine.device)
+        labels = ids.clone()
+        labels[:, count + 1:] = -100
+        logits = engine(ids)
+        logits.register_hook(_reader(records, logits.detach(), k))
+        summed = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCABULARY).float(),
+                                                   labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
+        if path == "divided by num_items_in_batch":
+            engine.backward(summed / window_tokens, scale_wrt_gas=False)
+        elif path == "window tokens, times G":
+            engine.backward(summed / window_tokens * g)
+        elif call is BackwardCall.TRAINER:  # the model's own mean, the Trainer not dividing by G
+            engine.backward(summed / count, scale_wrt_gas=False)
+        elif call is BackwardCall.LIGHTNING:
+            engine.backward(summed / count / g)
+        else:
+            engine.backward(summed / count)
+        engine.step()
+    weighting = weigh_window(records, Normalisation.TOKEN_MEAN, 1, 1, "", g=g)
+    per_micro_batch: Dict[int, float] = {}
+    for record in records:
+        per_micro_batch[record.micro_batch] = record.heaviest * window_tokens
+    return weighting, [per_micro_batch[k] for k in sorted(per_micro_batch)]
 
 
 def explain(verdict: Verdict) -> List[str]:
@@ -255,6 +339,13 @@ def explain(verdict: Verdict) -> List[str]:
                   "applied": "a non-finite loss: the engine APPLIED it; the weights are no longer finite",
                   "moved on": "a non-finite loss: the engine moved the weights and they stayed finite"}[
         verdict.non_finite])
+    for window in verdict.tokens:
+        counts = ", ".join(str(count) for count in window["tokens"])
+        lines.append(f"each trained token's weight, micro-batches of {counts} tokens, the loss {window['loss']}: "
+                     f"{window['found']}")
+        lines.append("  per token, times the window's trained tokens (1 each under a token mean): "
+                     + ", ".join(f"{weight:.3g}" for weight in window["per_token_times_n"])
+                     + (f"; {window['total']:.3g} in all" if window["total"] is not None else ""))
     lines += [f"note: {note}" for note in verdict.notes]
     return lines
 

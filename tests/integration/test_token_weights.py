@@ -248,6 +248,10 @@ def test_windows_that_cannot_tell_the_rules_apart_are_read_for_a_bounded_time():
     assert run.error is None and run.report.token_weighting is None
     assert said(run) == [f"loss normalisation: not named: the first {WINDOWS_READ} windows' micro-batches held "
                            "numbers of trained tokens too close to tell the rules apart (within 25%)"]
+    single = run_engine_tokens(COUNTS * 2, 1)  # G=1: one micro-batch per window, whatever its tokens
+    assert single.error is None and single.report.token_weighting is None
+    assert said(single) == [f"loss normalisation: not named: the first {WINDOWS_READ} windows held one micro-batch "
+                            "each"]
 
 
 def test_zero_3_in_bf16_names_the_rule():

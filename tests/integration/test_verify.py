@@ -116,3 +116,39 @@ def test_a_missing_file_exits_2(tmp_path):
     done = subprocess.run([sys.executable, "-m", "stepsync", "verify", "--deepspeed", str(tmp_path / "none.json"),
                            "--gas", "2"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "does not exist" in done.stderr
+
+
+@pytest.mark.parametrize("framework", ["accelerate", "trainer"])
+def test_each_tokens_weight_equals_the_real_frameworks_run(tmp_path, framework):
+    """verify's token window (3, 9, 17, 33 trained tokens) names the rule, the ratio and the scale the real
+    framework's run showed on the same counts (tests/integration/test_token_weights.py's runs, held against the
+    weights there)."""
+    from packaging.version import Version
+
+    from harness.stack import INSTALLED
+    from harness.token_runs import run_accelerate_tokens, run_trainer_tokens
+
+    if framework == "trainer" and INSTALLED.transformers != "newest" and \
+            Version(INSTALLED.transformers) < Version("4.47"):
+        pytest.skip("verify makes the Trainer's call as transformers 4.47 and later make it")
+    done = verify(tmp_path, {"zero_optimization": {"stage": 0}}, 4, "--framework", framework, "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    windows = json.loads(done.stdout)["tokens"]
+    if framework == "accelerate":
+        runs = [run_accelerate_tokens([3, 9, 17, 33], 4, loss=loss) for loss in ("examples", "recipe")]
+    else:
+        runs = [run_trainer_tokens(str(tmp_path / model), [3, 9, 17, 33], 4, model=model)
+                for model in ("transformers", "ignores")]
+    assert len(windows) == len(runs) == 2
+    for window, run in zip(windows, runs):
+        named = run.report.token_weighting
+        assert window["found"] == named.found.value and window["tokens"] == [3, 9, 17, 33]
+        assert window["ratio"] == pytest.approx(named.ratio, rel=1e-3)
+        assert window["total"] == pytest.approx(named.total, rel=0.1)  # the Trainer's count of num_items_in_batch
+    assert [w["found"] for w in windows] == (["micro_batch_mean", "token_mean"] if framework == "accelerate"
+                                             else ["token_mean", "micro_batch_mean"])
+    # Each micro-batch's own mean: a token weighs N / (G n_i) times a token mean's weight, G times that where the
+    # Trainer sums the means (the model ignores num_items_in_batch).
+    own_mean = windows[0 if framework == "accelerate" else 1]["per_token_times_n"]
+    averaged_over = 4 if framework == "accelerate" else 1
+    assert own_mean == pytest.approx([62 / count / averaged_over for count in (3, 9, 17, 33)], rel=1e-3)
