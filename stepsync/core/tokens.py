@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from .choices import unsupported
 from .errors import StepSyncConfigError
+from .versions import parse_version
 
 # Two weights are the same within this share: bf16 gradients carry about 0.4% per element.
 SAME_WEIGHT = 0.05
@@ -209,3 +210,23 @@ def weigh_window(window: Sequence[SequenceWeights], expected: Normalisation, epo
     total = sum(seq.total for seq in window) if reads_total else None
     return TokenWeighting(found, expected, epoch, update, tuple(micro_batch_tokens(window).values()), ratio, total,
                           cross_entropy, fix, g)
+
+
+# TRL's GRPO losses that divide by the tokens of ``num_items_in_batch``, which spans the generation batch.
+TRL_TOKEN_LOSSES = ("dapo", "cispo", "vespo")
+# The first TRL release measured to rescale them to one accumulation window (probes/trl_grpo.json: 1.9.0 scales each
+# update by G / steps_per_generation, 1.9.1 and 1.14.2 do not).
+TRL_RESCALES_TO_THE_WINDOW = "1.9.1"
+
+
+def trl_generation_scale(trl: Optional[str], loss_type: object, steps_per_generation: object, g: int) -> str:
+    """What TRL's GRPO does to each update where its generation batch is not one window, as probed; "" where
+    nothing (another loss, one window per generation, or a release that rescales)."""
+    if trl is None or loss_type not in TRL_TOKEN_LOSSES or not isinstance(steps_per_generation, int) \
+            or steps_per_generation in (g, 0) or parse_version(trl) >= parse_version(TRL_RESCALES_TO_THE_WINDOW):
+        return ""
+    return (f"TRL {trl}'s GRPO divides each '{loss_type}' loss by the completion tokens of its whole generation batch "
+            f"(steps_per_generation={steps_per_generation} micro-batches) while an update holds "
+            f"gradient_accumulation_steps={g}: every update is {g / steps_per_generation:.3g}x the token mean over its "
+            f"window (measured on TRL 1.9.0; {TRL_RESCALES_TO_THE_WINDOW} rescales it): upgrade TRL to "
+            f"{TRL_RESCALES_TO_THE_WINDOW} or later, or set steps_per_generation={g}")

@@ -62,6 +62,8 @@ class RunStart:
         asked_g: each place the user set G that the framework may have overridden: (where, value, the fix when
             it is not the G in force).
         loss_normalisation: how the user means each window's loss to weigh its trained tokens.
+        client_faults: what the framework's client does to every update that stepsync cannot undo (TRL's GRPO
+            dividing by a generation batch's tokens), said before the first micro-batch.
     """
 
     framework: Framework
@@ -87,6 +89,7 @@ class RunStart:
     clip_fix: str = 'set "gradient_clipping": "auto" in the DeepSpeed config'
     asked_g: Tuple[Tuple[str, int, str], ...] = ()
     loss_normalisation: Normalisation = Normalisation.TOKEN_MEAN
+    client_faults: Tuple[str, ...] = ()
 
 
 def idle_report(framework: Framework, policy: Policy, reason: str = "", level: int = logging.INFO,
@@ -128,6 +131,10 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None,
     say_the_clip(run, start.asked_clip, start.clip_fix, "before the first micro-batch")
     in_force = run.facts.gradient_accumulation_steps or run.g
     _say_the_weight_faults(run, start.behaviour.stack, in_force, start.framework.backward_call)
+    for fault in start.client_faults:
+        run.report.weight_faults.append(fault)
+        repair = f"; policy '{run.policy.value}' cannot repair it from outside" if run.policy.interferes else ""
+        _refuse_or_warn(run, f"{fault}{repair}", "before the first micro-batch")
     run.token_weights = watch_tokens(run, start.loss_normalisation, start.framework.loss_fix)
     for where, asked, fix in start.asked_g:
         if asked != in_force:

@@ -20,6 +20,7 @@ from ..core.lightning_versions import LightningStack, lightning_behaviour_of
 from ..core.plan import RunPlan
 from ..core.record import TRAINER_STATE, load_record, read_json
 from ..core.relayout import Layout
+from ..core.tokens import trl_generation_scale
 from ..core.versions import Stack, behaviour_of, installed_version
 from ..display.render import audit_view, forecast_view
 from .arguments import policy_name, positive_epochs, positive_int
@@ -168,6 +169,11 @@ def run_check(args) -> int:
     faults, certain = weight_faults_of(deepspeed, versions["deepspeed"], inputs.gradient_accumulation_steps,
                                        framework.backward_call)
     notes += faults
+    if args.training_args:  # a TRL config's GRPO loss, against the installed TRL
+        scaled = trl_generation_scale(installed_version("trl"), data.get("loss_type"),
+                                      data.get("steps_per_generation"), inputs.gradient_accumulation_steps)
+        notes += [scaled] if scaled else []
+        certain = certain or bool(scaled)
     stage = args.zero_stage if args.zero_stage is not None else ((deepspeed or {}).get("zero_optimization") or {}).get(
         "stage")
     if framework.releases == "lightning":

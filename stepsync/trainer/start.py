@@ -11,8 +11,8 @@ from ..core.errors import StepSyncConfigError
 from ..core.frameworks import TRAINER
 from ..core.plan import RunPlan, resume_position
 from ..core.record import record_from_files
-from ..core.tokens import Normalisation
-from ..core.versions import StackBehaviour
+from ..core.tokens import Normalisation, trl_generation_scale
+from ..core.versions import StackBehaviour, installed_version
 from ..display.output import ConsoleOutput
 from ..engine.deepspeed import spread_across_ranks
 from ..engine.lifecycle import RunStart, open_run
@@ -75,10 +75,18 @@ def start_run(trainer: Any, args: Any, state: Any, engine: Any, train_dataloader
         planned_steps=state.max_steps, plan=plan, start_epoch=start_epoch, skip=skip, layout=layout, record=record,
         record_problem=record_problem, shift=shift,
         inherited_remedy=REUSED_ENGINE_REMEDY if state.global_step == 0 else INHERITED_REMEDY,
-        asked_clip=trainer_facts.asked_clip(args), loss_normalisation=loss_normalisation), built)
+        asked_clip=trainer_facts.asked_clip(args), loss_normalisation=loss_normalisation,
+        client_faults=client_faults(args)), built)
     if steering is not None and steering.max_steps is not None:
         state.max_steps = steering.max_steps
     return run
+
+
+def client_faults(args: Any) -> Tuple[str, ...]:
+    """What a Trainer built on this one (TRL's) does to each update, as probed: said before the first micro-batch."""
+    scaled = trl_generation_scale(installed_version("trl"), getattr(args, "loss_type", None),
+                                  getattr(args, "steps_per_generation", None), args.gradient_accumulation_steps)
+    return (scaled,) if scaled else ()
 
 
 def serve_a_generation_buffer(args: Any, run: Run, policy: Policy) -> None:

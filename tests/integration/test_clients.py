@@ -72,7 +72,7 @@ def test_peft_lora_under_zero_2(tmp_path, policy):
     check(result.trainer, callback, result.recording, policy)
 
 
-def grpo_trainer(tmp_path, policy, steps_per_generation, prompts=6):
+def grpo_trainer(tmp_path, policy, steps_per_generation, prompts=6, **config):
     trl = pytest.importorskip("trl")
     from datasets import Dataset
 
@@ -86,7 +86,7 @@ def grpo_trainer(tmp_path, policy, steps_per_generation, prompts=6):
     args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
                           num_generations=2, steps_per_generation=steps_per_generation, max_completion_length=4,
                           num_train_epochs=2, bf16=False, learning_rate=1e-2, report_to=[], logging_steps=1,
-                          save_strategy="no", disable_tqdm=True, use_cpu=True, deepspeed=deepspeed_config(0))
+                          save_strategy="no", disable_tqdm=True, use_cpu=True, deepspeed=deepspeed_config(0), **config)
     callback, recording, ref = StepSyncCallback(policy, console=False), Recording(), []
     model = tiny_model()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -112,3 +112,46 @@ def test_trl_grpo_remedy_names_steps_per_generation(tmp_path):
     events = callback.report.events  # 3 micro-batches an epoch, G=2: the Trainer 4, a drifting engine 3
     assert len(events) == (1 if DRIFTS else 0)
     assert all("steps_per_generation to a multiple of gradient_accumulation_steps=2" in e.remedy for e in events)
+
+
+def test_trl_grpo_dapo_over_a_generation_of_two_windows_is_right_on_this_release(tmp_path):
+    """TRL 1.9.1 and later divide a dapo loss by one window's share of the generation batch's tokens
+    (probes/trl_grpo.json, measured through this Trainer): nothing to say. Its policy-gradient loss weighs tokens by
+    their advantages, so the token check names no rule."""
+    trl = pytest.importorskip("trl")
+    from packaging.version import Version
+
+    from stepsync.core.tokens import TRL_RESCALES_TO_THE_WINDOW
+
+    assert Version(trl.__version__) >= Version(TRL_RESCALES_TO_THE_WINDOW)
+    trainer, callback = grpo_trainer(tmp_path, "raise", steps_per_generation=4, prompts=8, loss_type="dapo",
+                                     beta=0.0)
+    trainer.train()
+    report = callback.report
+    assert report.weight_faults == [] and trainer.model_wrapped.global_steps > 0
+    assert report.token_weighting is None or not report.token_weighting.cross_entropy
+
+
+@pytest.mark.parametrize("policy", ["warn", "raise", "sync"])
+def test_trl_grpo_before_1_9_1_is_named_before_the_first_micro_batch(tmp_path, monkeypatch, policy):
+    """The release read as 1.9.0 (what probes/trl_grpo.json measured there: each update G / steps_per_generation of
+    the window's token mean), the rest of the run real: said with the fix, raise stops before any update."""
+    pytest.importorskip("trl")
+    from stepsync import StepSyncConfigError
+    from stepsync.trainer import start
+
+    real = start.installed_version
+    monkeypatch.setattr(start, "installed_version", lambda name: "1.9.0" if name == "trl" else real(name))
+    trainer, callback = grpo_trainer(tmp_path, policy, steps_per_generation=4, prompts=8, loss_type="dapo")
+    if policy == "raise":
+        with pytest.raises(StepSyncConfigError, match=r"every update is 0\.5x the token mean over its window"):
+            trainer.train()
+        assert trainer.model_wrapped.global_steps == 0
+        return
+    trainer.train()
+    fault = callback.report.weight_faults[0]
+    assert fault.startswith("TRL 1.9.0's GRPO divides each 'dapo' loss by the completion tokens of its whole "
+                            "generation batch (steps_per_generation=4 micro-batches)")
+    assert "upgrade TRL to 1.9.1 or later, or set steps_per_generation=2" in fault
+    assert any(("cannot repair it from outside" in note) is (policy == "sync") and fault in note
+               for note in callback.report.notes)

@@ -289,3 +289,21 @@ def test_check_of_a_loop_says_what_the_loop_decides_and_nothing_else():
     assert loop.returncode == 1 and [(e["trainer_steps"], e["engine_steps"]) for e in data["epochs"]] == [
         (3, 2), (6, 5), (9, 7)]
     assert not any(note.startswith("transformers") for note in data["notes"])
+
+
+def test_check_names_trls_grpo_scale_from_a_grpo_config(tmp_path, monkeypatch, capsys):
+    """A GRPOConfig's JSON with a dapo loss over a generation of 4 micro-batches and G=2: TRL 1.9.0 (as the installed
+    release) makes every update half the window's token mean (probes/trl_grpo.json); 1.14.2 does not."""
+    from stepsync.tools import cli
+
+    args = write(tmp_path, "grpo.json", json.dumps({"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+                                                     "num_train_epochs": 1.0, "max_steps": -1, "loss_type": "dapo",
+                                                     "steps_per_generation": 4}))
+    for trl, code in (("1.9.0", 1), ("1.14.2", 0)):
+        monkeypatch.setattr(cli, "installed_version", lambda name, trl=trl: trl if name == "trl" else None)
+        assert cli.main(["check", "--samples", "8", "--training-args", args, "--transformers", "5.24.0",
+                         "--accelerate", "1.16.0", "--json"]) == code
+        notes = json.loads(capsys.readouterr().out)["notes"]
+        said = [note for note in notes if "TRL" in note]
+        assert len(said) == (code == 1)
+        assert not said or "every update is 0.5x the token mean over its window" in said[0]

@@ -155,3 +155,34 @@ def test_the_report_dict_holds_the_message(window):
     data = named.to_dict()
     assert data["found"] == "micro_batch_mean" and data["message"] == named.message()
     assert data["as_expected"] is named.as_expected
+
+
+def test_trls_generation_scale_matches_every_probe():
+    """probes/trl_grpo.json: each update's window tokens over the normaliser TRL's GRPO divided the loss by, measured
+    through the real Trainer (the median over every micro-batch of the run)."""
+    import json
+    import os
+
+    from stepsync.core.tokens import trl_generation_scale
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "probes", "trl_grpo.json")) as rows:
+        probed = json.load(rows)
+    assert {row["trl"] for row in probed} >= {"1.9.0", "1.9.1", "1.14.2"}
+    for row in probed:
+        said = trl_generation_scale(row["trl"], row["loss_type"], row["steps_per_generation"], row["g"])
+        factor = row["g"] / row["steps_per_generation"] if said else 1.0
+        assert row["median_ratio"] == pytest.approx(factor, rel=0.1), row
+        assert not said or f"every update is {factor:.3g}x the token mean" in said
+
+
+def test_trls_generation_scale_says_nothing_where_nothing_is_scaled():
+    from stepsync.core.tokens import trl_generation_scale
+
+    assert trl_generation_scale("1.9.0", "dapo", 4, 2)
+    assert trl_generation_scale("0.20.0", "cispo", 2, 4)
+    assert not trl_generation_scale("1.9.0", "grpo", 4, 2)  # a mean per sequence, divided by G itself
+    assert not trl_generation_scale("1.9.0", "dapo", 2, 2)  # one window per generation
+    assert not trl_generation_scale("1.9.1", "dapo", 4, 2)
+    assert not trl_generation_scale(None, "dapo", 4, 2)
+    assert not trl_generation_scale("1.9.0", "dapo", None, 2)
