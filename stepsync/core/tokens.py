@@ -176,8 +176,10 @@ class TokenWeighting:
         if not self.cross_entropy:
             return (f"{where}; the loss is not a cross-entropy over the logits (some token's gradient has another "
                     "shape, as a policy-gradient loss's has): how it weighs tokens is not named")
-        said = (f"{where}; the loss weighs them as {self.found.words}; the heaviest token weighs {self.ratio:.3g}x "
-                "the lightest")
+        words = self.found.words
+        if self.found is Normalisation.TOKEN_MEAN and self.total is not None and self.total >= OFF_SCALE:
+            words = "a sum over the window's trained tokens (each weighs the same)"
+        said = f"{where}; the loss weighs them as {words}; the heaviest token weighs {self.ratio:.3g}x the lightest"
         if self.total is not None:
             said += f"; the window's tokens weigh {self.total:.3g} in all, where a mean weighs 1"
         if self.as_expected:

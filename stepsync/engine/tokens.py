@@ -15,10 +15,13 @@ from typing import Any, List, Optional
 from ..core.errors import LossNormalisationError
 from ..core.frameworks import EngineBoundary
 from ..core.tokens import Normalisation, SequenceWeights, TokenWeighting, micro_batch_tokens, tells_apart, weigh_window
+from .outputs import loss_and_others
 
 # Windows read at most: a run whose first windows all hold near-equal token counts is one where the rule makes
 # little difference, and the reading stops paying its cost there.
 WINDOWS_READ = 4
+# Training forwards without the output embeddings' logits after which nothing is read (a fused or chunked loss).
+UNSEEN_FORWARDS = 4
 # Positions whose log-sum-exp is taken at once: bounds the float copy of the logits to ROWS_AT_ONCE * vocabulary.
 ROWS_AT_ONCE = 256
 
@@ -99,6 +102,7 @@ class TokenWeights:
         self.named: Optional[TokenWeighting] = None
         self.windows = 0
         self.widest = 0  # the most micro-batches a window read held
+        self.unseen = 0  # training forwards in a row whose logits the output embeddings did not make
         self.logits: List[Any] = []  # made by the head, not yet hooked
         self.handle: Any = head.register_forward_hook(self._after_head)
         engine = run.engine
@@ -121,7 +125,16 @@ class TokenWeights:
 
     def _after_engine(self, module: Any, inputs: Any, output: Any) -> None:
         if self.logits:
+            self.unseen = 0
             self._hook_logits()
+        elif self.handle is not None and self.micro_batch < 0 and self.windows == 0 and \
+                loss_and_others(output)[0] is not None:
+            self.unseen += 1  # a training forward whose logits the output embeddings did not make
+            if self.unseen >= UNSEEN_FORWARDS:
+                self.remove()
+                self.run.voice.note("loss normalisation: not read: the model's output embeddings made no logits in "
+                                    f"{UNSEEN_FORWARDS} training forwards (its loss computes them itself, as TRL's "
+                                    "chunked cross-entropy and fused kernels do)")
 
     def _hook_logits(self) -> None:
         """Hook the logits once the engine's forward has returned: DeepSpeed's own hooks on its output (0.18.3 on)

@@ -155,3 +155,56 @@ def test_trl_grpo_before_1_9_1_is_named_before_the_first_micro_batch(tmp_path, m
     assert "upgrade TRL to 1.9.1 or later, or set steps_per_generation=2" in fault
     assert any(("cannot repair it from outside" in note) is (policy == "sync") and fault in note
                for note in callback.report.notes)
+
+
+def test_trl_sft_on_texts_of_different_lengths_trains_the_token_mean_and_says_so(tmp_path):
+    """TRL's SFTTrainer trains a token mean over each window: the first update (SGD at lr 1, no clipping) against each
+    rule's gradient computed apart from the micro-batches the model was given. Its loss never makes the logits, and
+    the callback says it read nothing."""
+    trl = pytest.importorskip("trl")
+    import copy
+
+    import transformers
+    from datasets import Dataset
+
+    from harness.token_runs import projection, rule_gradients, tiny_causal_lm
+    from stepsync import StepSyncCallback
+    from stepsync.tools.tiny_run import cpu_distributed_env
+
+    cpu_distributed_env()
+    tokenizer, words = tiny_tokenizer()
+    data = Dataset.from_dict({"text": [" ".join(words[:count]) for count in (3, 24, 6, 30)]})
+    model = tiny_causal_lm()
+    before = copy.deepcopy(model)
+    given = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: given.append(
+        {k: kwargs[k].detach().clone() for k in ("input_ids", "labels", "attention_mask") if k in kwargs}),
+        with_kwargs=True)
+    args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=1, gradient_accumulation_steps=2,
+                         max_steps=2, max_length=40, bf16=False, learning_rate=1.0, optim="sgd", max_grad_norm=0.0,
+                         lr_scheduler_type="constant", weight_decay=0.0, report_to=[], save_strategy="no",
+                         disable_tqdm=True, use_cpu=True, shuffle_dataset=False, dataloader_drop_last=False,
+                         deepspeed={"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                                    "gradient_clipping": "auto", "zero_optimization": {"stage": 0},
+                                    "zero_allow_untested_optimizer": True})
+    first = []
+
+    class FirstUpdate(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            first.extend([] if first else [p.detach().float().clone() for p in model.parameters()])
+
+    callback = StepSyncCallback("warn", console=False)
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
+                             callbacks=[callback, FirstUpdate()])
+    trainer.train()
+    window = [{k: v for k, v in batch.items()} for batch in given[:2]]
+    truths = rule_gradients(before, window)
+    update = [after - b.detach().float() for after, b in zip(first, before.parameters())]
+    scale, residual = projection(update, truths["token_mean"])
+    assert residual < 1e-4 and scale == pytest.approx(1.0, rel=0.05)
+    assert projection(update, truths["micro_batch_mean"])[1] > 0.1
+    # TRL's SFTTrainer computes its cross-entropy in chunks from the hidden states and lm_head's weight: the logits
+    # the check reads are never made, and it says so rather than name anything.
+    assert callback.report.token_weighting is None
+    assert any(note.startswith("loss normalisation: not read: the model's output embeddings made no logits")
+               for note in callback.report.notes)

@@ -186,3 +186,10 @@ def test_trls_generation_scale_says_nothing_where_nothing_is_scaled():
     assert not trl_generation_scale("1.9.1", "dapo", 4, 2)
     assert not trl_generation_scale(None, "dapo", 4, 2)
     assert not trl_generation_scale("1.9.0", "dapo", None, 2)
+
+
+def test_a_sum_over_the_tokens_is_named_a_sum():
+    named = weigh_window(hooked(token_weights([[3], [9], [17], [33]], "sum")), Normalisation.TOKEN_MEAN, 1, 1, "", g=4)
+    assert named.found is Normalisation.TOKEN_MEAN and named.total == pytest.approx(62.0) and not named.as_expected
+    assert "the loss weighs them as a sum over the window's trained tokens (each weighs the same)" in named.message()
+    assert "the update is 62x what the learning rate assumes" in named.message()
