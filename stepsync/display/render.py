@@ -141,8 +141,9 @@ def summary_view(report: SyncReport) -> Panel:
     parts: List[Any] = [lines]
     if report.events:
         parts.append(events_table(report.events, report.framework.who))
+    weighed = report.token_weighting
     troubled = (report.drift or report.update_flaws or lost or report.lost_gradients
-                or (shift is not None and not shift.exact))
+                or (shift is not None and not shift.exact) or (weighed is not None and not weighed.as_expected))
     return Panel(Group(*parts), title="stepsync summary", border_style="red" if troubled else "green")
 
 
