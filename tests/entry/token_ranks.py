@@ -1,15 +1,16 @@
-"""Run under `torchrun --nproc_per_node 2`: DeepSpeed-Chat's loop (tests/harness/token_runs.py) on ZeRO-``stage``,
-G=4, one window per rank: rank 0's micro-batches hold 3, 9, 17 and 33 trained tokens, rank 1's 8 each (a window
+"""Run under `torchrun --nproc_per_node 2`: DeepSpeed-Chat's loop, or an accelerate loop written as the examples are
+(tests/harness/token_runs.py), on ZeRO-``stage``, G=4, one window per rank: rank 0's micro-batches hold 3, 9, 17 and 33 trained tokens, rank 1's 8 each (a window
 that tells no rule apart); each micro-batch's own mean is the loss. Each rank writes what it saw, its update and
 its own window's rule gradients to OUT/rank-R.json.
 
-Usage: python -m torch.distributed.run --nproc_per_node 2 tests/entry/token_ranks.py OUT STAGE [none|warn|raise ...]
+Usage: python -m torch.distributed.run --nproc_per_node 2 tests/entry/token_ranks.py OUT STAGE engine|accelerate
+       [none|warn|raise ...]
 """
 import os
 import sys
 
 from harness.runs import dump, end_process_group
-from harness.token_runs import run_engine_tokens, trained_tokens, windowed
+from harness.token_runs import run_accelerate_tokens, run_engine_tokens, trained_tokens, windowed
 
 COUNTS = {0: [3, 9, 17, 33], 1: [8, 8, 8, 8]}
 
@@ -20,12 +21,14 @@ def flat(tensors) -> list:
     return torch.cat([t.reshape(-1).float() for t in tensors]).tolist()
 
 
-def main(out_dir: str, stage: int, policies) -> None:
+def main(out_dir: str, stage: int, loop: str, policies) -> None:
     rank = int(os.environ["RANK"])
     counts = COUNTS[rank]
     results = {}
     for policy in policies:
-        run = run_engine_tokens(counts, 4, policy=None if policy == "none" else policy, stage=stage)
+        policy_or_none = None if policy == "none" else policy
+        run = run_engine_tokens(counts, 4, policy=policy_or_none, stage=stage) if loop == "engine" else \
+            run_accelerate_tokens(counts, 4, loss="examples", policy=policy_or_none, stage=stage)
         weighting = run.report.token_weighting if run.report is not None else None
         results[policy] = {
             "error": type(run.error).__name__ if run.error else None, "engine_steps": run.engine_steps,
@@ -40,5 +43,5 @@ def main(out_dir: str, stage: int, policies) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3:] or ["none", "warn", "raise"])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:] or ["none", "warn", "raise"])
     end_process_group()

@@ -223,7 +223,8 @@ def run_accelerate_tokens(counts: Sequence[int], gas: int, loss: str = "examples
     result = TokenRun(truths=rule_gradients(model, [dataset[i] for i in range(gas)]))
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     dataloader = torch.utils.data.DataLoader(dataset, batch_size=1)
-    model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
+    # Each rank trains the counts it is given: the dataloader is not sharded across ranks.
+    model, optimizer = accelerator.prepare(model, optimizer)
     engine = accelerator.deepspeed_engine_wrapped.engine
     result.before = _parameters(engine)
     watch = stepsync.watch(accelerator, policy, dataloader=dataloader, num_epochs=1, console=False,

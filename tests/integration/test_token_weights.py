@@ -270,17 +270,24 @@ def test_zero_3_in_bf16_names_the_rule():
     assert run.report.token_weighting.found is Normalisation.MICRO_BATCH_MEAN
 
 
-def test_two_ranks_name_their_own_windows_and_stop_together(tmp_path):
+@pytest.mark.parametrize("loop", ["engine", "accelerate"])
+def test_two_ranks_name_their_own_windows_and_stop_together(tmp_path, loop):
     """Rank 0's window holds 3, 9, 17, 33 trained tokens, rank 1's 8 each. The update is the mean over both ranks
     of each micro-batch's own mean; rank 0 names it, rank 1 has nothing to name; under raise both stop before it."""
     pytest.importorskip("deepspeed")
+    if loop == "accelerate":
+        transformers_stack()
+        if INSTALLED.accelerate != "newest" and Version(INSTALLED.accelerate) < Version("1.13"):
+            pytest.skip("accelerate before 1.13 runs accumulate() on several ranks into DeepSpeed's no_sync(), which "
+                        "fails or divides wrong (docs/updates.md)")
     import torch
 
     from harness.paths import entry_script
     from harness.runs import two_ranks
     from harness.token_runs import projection
 
-    first, second, _ = two_ranks(entry_script("token_ranks.py"), tmp_path, "2", "none", "warn", "raise")
+    stage = "2" if loop == "engine" else "1"  # accumulate() enters no_sync(), which ZeRO-2 refuses
+    first, second, _ = two_ranks(entry_script("token_ranks.py"), tmp_path, stage, loop, "none", "warn", "raise")
     for policy in ("none", "warn"):
         a, b = first[policy], second[policy]
         assert a["error"] is b["error"] is None and a["engine_steps"] == b["engine_steps"] == 1
