@@ -129,7 +129,9 @@ def summary_view(report: SyncReport) -> Panel:
         lines.append(f"\nresumed on another layout: {shift.message()}", style="bold red")
     if report.dropped_micro_batches:
         total = sum(report.dropped_micro_batches.values())
-        lines.append(f"\ndrop_last left {total} micro-batch(es) untrained: {report.dropped_micro_batches}")
+        dropped = sorted(report.dropped_micro_batches.items())
+        per_epoch = ", ".join(f"{count} in epoch {epoch}" for epoch, count in dropped)
+        lines.append(f"\ndrop_last left {total} micro-batch(es) untrained: {per_epoch}")
     for flaw in report.update_flaws:
         lines.append(f"\nupdates: {flaw}", style="yellow")
     if report.unapplied_micro_batches:

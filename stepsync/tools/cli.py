@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import subprocess
@@ -46,12 +47,44 @@ INSTALL_TRAINING = (f"pip install torch==2.13.0 (the CPU build; any torch your p
                     f"{install_hint('trainer')} (or: bash scripts/demo.sh, which builds its own environment)")
 
 
+# Names users bring from other tools, and the flag that means the same here.
+SAME_AS = {"--grad-accum": "--gas", "--gradient-accumulation-steps": "--gas", "--gradient_accumulation_steps": "--gas",
+           "--accumulate-grad-batches": "--gas", "--num-train-epochs": "--epochs", "--num_train_epochs": "--epochs",
+           "--per-device-train-batch-size": "--batch-size", "--per_device_train_batch_size": "--batch-size",
+           "--num-processes": "--world-size", "--nproc-per-node": "--world-size", "--deepspeed": "--deepspeed-config"}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse without prefixes (``--sample`` is not ``--samples``), and an unknown flag answered with the one it
+    likely means."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments:"):
+            parsers = [self, *(choice for group in (self._subparsers._group_actions if self._subparsers else ())
+                               for choice in getattr(group, "choices", {}).values())]
+            known = [flag for parser in parsers for action in parser._actions for flag in action.option_strings]
+            for given in message.split(":", 1)[1].split():
+                name = given.split("=", 1)[0]
+                if not name.startswith("--"):
+                    continue
+                meant = SAME_AS.get(name) if SAME_AS.get(name) in known else None
+                meant = meant or next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.75)), None)
+                if meant:
+                    message += f" (did you mean {meant}?)"
+                    break
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="stepsync", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example: stepsync check --samples 3 --gas 2 --epochs 2 --accelerate 1.7.0")
     parser.add_argument("--version", action="version", version=version_line())
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     check = commands.add_parser(
         "check", help="forecast a configuration without training",
         description="Forecast both counters per epoch; exit 0 when aligned, 1 when it drifts or the Trainer "
@@ -120,9 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="One real window through an engine built from your config: each micro-batch's weight in "
                     "the update, a non-finite loss, the clip in force. Exit 0: every weight is 1/G; 1: one is "
                     "not; 2: a config it cannot run.",
-        epilog="example: stepsync verify --deepspeed ds_config.json --gas 4 --json",
+        epilog="example: stepsync verify --deepspeed-config ds_config.json --gas 4 --json",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    verify.add_argument("--deepspeed", metavar="FILE", required=True, help="your DeepSpeed JSON config")
+    verify.add_argument("--deepspeed-config", "--deepspeed", dest="deepspeed", metavar="FILE", required=True,
+                        help="your DeepSpeed JSON config (check's flag name; --deepspeed works too)")
     verify.add_argument("--gas", type=positive_int, required=True, help="gradient_accumulation_steps")
     verify.add_argument("--framework", choices=tuple(FRAMEWORK_CALLS), default="deepspeed",
                         help="call backward as this framework does (default: a plain DeepSpeed loop)")
@@ -133,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example: stepsync demo --compare\nexample: stepsync demo --policy realign --samples 5 --gas 2",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_argument("--policy", type=policy_name, default=Policy.WARN, help=f"one of {POLICIES}")
-    demo.add_argument("--compare", action="store_true", help="run without stepsync and with 'sync', side by side")
+    demo.add_argument("--compare", action="store_true",
+                      help="the run as it is (policy 'warn': stepsync only watches) and with 'sync', side by side")
     demo.add_argument("--samples", type=positive_int, default=3, help="micro-batches per epoch (default 3)")
     demo.add_argument("--gas", type=positive_int, default=2, help="gradient_accumulation_steps (default 2)")
     demo.add_argument("--epochs", type=positive_int, default=2, help="epochs (default 2)")
@@ -243,7 +278,7 @@ def run_verify(args) -> int:
         print(f"stepsync: error: stepsync verify runs DeepSpeed: it needs {', '.join(missing)}: {INSTALL_TRAINING}",
               file=sys.stderr)
         return EXIT_BAD_INPUT
-    code = verify_command(read_json(args.deepspeed, "--deepspeed"), args.gas, args.json, args.framework)
+    code = verify_command(read_json(args.deepspeed, "--deepspeed-config"), args.gas, args.json, args.framework)
     end_after_a_process_group(code)
     return code
 

@@ -307,3 +307,43 @@ def test_check_names_trls_grpo_scale_from_a_grpo_config(tmp_path, monkeypatch, c
         said = [note for note in notes if "TRL" in note]
         assert len(said) == (code == 1)
         assert not said or "every update is 0.5x the token mean over its window" in said[0]
+
+
+@pytest.mark.parametrize("given, meant", [("--grad-accum", "--gas"), ("--sample", "--samples"),
+                                          ("--epoch", "--epochs"), ("--gradient_accumulation_steps", "--gas"),
+                                          ("--deepspeed-confg", "--deepspeed-config")])
+def test_a_flag_is_never_taken_by_its_prefix_and_an_unknown_one_is_answered(given, meant, capsys):
+    from stepsync.tools import cli
+
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["check", "--micro-batches-per-epoch", "3", given, "2"])
+    assert stop.value.code == 2
+    said = capsys.readouterr().err.strip()
+    assert said.endswith(f"unrecognized arguments: {given} 2 (did you mean {meant}?)"), said
+
+
+def test_verify_takes_checks_flag_name_for_the_deepspeed_config(tmp_path, capsys):
+    from stepsync.tools import cli
+
+    parsed = cli.build_parser().parse_args(["verify", "--deepspeed-config", "ds.json", "--gas", "2"])
+    assert parsed.deepspeed == "ds.json"
+    assert cli.build_parser().parse_args(["verify", "--deepspeed", "ds.json", "--gas", "2"]).deepspeed == "ds.json"
+    help_text = " ".join(cli.build_parser()._subparsers._group_actions[0].choices["demo"].format_help().split())
+    assert "without stepsync" not in help_text and "policy 'warn': stepsync only watches" in help_text
+
+
+def test_the_readmes_check_of_a_users_files_runs_as_written(tmp_path):
+    """README.md's "Am I affected?" line for the user's own files, with files a user has: exit 0 or 1, never 2."""
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "README.md")) as readme:
+        line = next(line for line in readme if "--training-args args.json" in line)
+    flags = re.sub(r"\s+#.*$", "", line).split()[2:]
+    write(tmp_path, "args.json", json.dumps({"per_device_train_batch_size": 8, "gradient_accumulation_steps": 4,
+                                             "num_train_epochs": 3.0, "max_steps": -1, "deepspeed": "ds_config.json"}))
+    write(tmp_path, "ds_config.json", json.dumps({"train_micro_batch_size_per_gpu": "auto",
+                                                  "gradient_accumulation_steps": "auto"}))
+    proc = subprocess.run([sys.executable, "-m", "stepsync", "check", *flags], capture_output=True, text=True,
+                          cwd=str(tmp_path), timeout=120)
+    assert proc.returncode in (0, 1), proc.stderr

@@ -154,6 +154,19 @@ def test_a_report_prints_readably():
     assert "stepsync summary" in buffer.getvalue() and cut_lines(buffer.getvalue()) == []
 
 
+def test_drop_last_says_what_it_left_per_epoch_in_words():
+    from rich.console import Console
+
+    from stepsync import Policy, SyncReport
+    from stepsync.display.render import summary_view
+
+    report = SyncReport(Policy.DROP_LAST, active=True, dropped_micro_batches={2: 1, 1: 1}, finished=True)
+    buffer = io.StringIO()
+    Console(file=buffer, width=120).print(summary_view(report))
+    assert "drop_last left 2 micro-batch(es) untrained: 1 in epoch 1, 1 in epoch 2" in buffer.getvalue()
+    assert "{" not in buffer.getvalue()
+
+
 def test_logging_and_the_console_say_a_message_once_per_destination():
     """A view is drawn only where no logging handler already writes the same message."""
     from stepsync.display.output import logging_reaches
