@@ -168,7 +168,12 @@ def read_json(path: str, what: str = "file") -> dict:
     try:
         with open(path) as handle:
             data = json.load(handle)
-    except (OSError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError:
+        raise UnreadableFileError(
+            f"{what} {path!r} is a binary file, not JSON (the Trainer's training_args.bin is its TrainingArguments "
+            "pickled): pass a JSON file; in Python, open('args.json', 'w').write(trainer.args.to_json_string())"
+        ) from None
+    except OSError as exc:
         raise UnreadableFileError(f"cannot read {what} {path!r}: {exc}") from None
     except ValueError as exc:
         raise UnreadableFileError(f"{what} {path!r} is not valid JSON ({exc}): fix it, or restore it from a "

@@ -26,10 +26,17 @@ from ..core.versions import Stack, behaviour_of, installed_version
 from ..display.render import audit_view, forecast_view
 from .arguments import policy_name, positive_epochs, positive_int
 from .audit import audit_output_dir
-from .config import deepspeed_config_of, from_training_args, resolve, versions_for, weight_faults_of
+from .config import (
+    deepspeed_config_from,
+    deepspeed_config_of,
+    from_training_args,
+    resolve,
+    versions_for,
+    weight_faults_of,
+)
 from .demo import run_demo
 from .resume_audit import planned_here, resume_on
-from .verify import FRAMEWORK_CALLS, verify_command
+from .verify import FRAMEWORK_CALLS, measuring_config, verify_command
 
 EXIT_ALIGNED, EXIT_DRIFTS, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_CLOSED_PIPE = 0, 1, 2, 130, 141  # SIGINT, SIGPIPE
 POLICIES = ", ".join(p.value for p in Policy)
@@ -189,7 +196,7 @@ def run_check(args) -> int:
         training = from_training_args(data, args.training_args)
         deepspeed = deepspeed_config_of(data, args.training_args)
     if args.deepspeed_config:
-        deepspeed = read_json(args.deepspeed_config, "--deepspeed-config")
+        deepspeed = deepspeed_config_from(read_json(args.deepspeed_config, "--deepspeed-config"), args.deepspeed_config)
     flags = {"samples": args.samples, "micro_batches": args.micro_batches, "batch_size": args.batch_size,
              "world_size": args.world_size, "gas": args.gas, "epochs": args.epochs, "max_steps": args.max_steps,
              "drop_last": args.drop_last}
@@ -273,12 +280,14 @@ def run_inspect(args) -> int:
 
 
 def run_verify(args) -> int:
+    config = deepspeed_config_from(read_json(args.deepspeed, "--deepspeed-config"), args.deepspeed)
+    measuring_config(config, args.gas)  # what it refuses is said before anything else
     missing = [p for p in ("torch", "deepspeed") if installed_version(p) is None]
     if missing:
         print(f"stepsync: error: stepsync verify runs DeepSpeed: it needs {', '.join(missing)}: {INSTALL_TRAINING}",
               file=sys.stderr)
         return EXIT_BAD_INPUT
-    code = verify_command(read_json(args.deepspeed, "--deepspeed-config"), args.gas, args.json, args.framework)
+    code = verify_command(config, args.gas, args.json, args.framework)
     end_after_a_process_group(code)
     return code
 

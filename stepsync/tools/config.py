@@ -5,6 +5,7 @@ input raises :class:`ConfigInputError` with a message naming the fix.
 """
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -61,12 +62,65 @@ def _number(value: Any, name: str, source: str, minimum: float, integer: bool = 
 DEEPSPEED_ONLY_KEYS = ("zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size", "gradient_clipping")
 
 
+# Keys only a Trainer's state (trainer_state.json, in every checkpoint-N) has, and keys only TrainingArguments has.
+TRAINER_STATE_KEYS = ("log_history", "best_model_checkpoint", "is_world_process_zero")
+TRAINING_ARGS_KEYS = ("output_dir", "per_device_train_batch_size", "learning_rate", "logging_steps")
+
+
+def kind_of(data: Dict[str, Any]) -> str:
+    """What a JSON object is, by the keys only it has: "trainer state", "TrainingArguments", "DeepSpeed config", or
+    "" where none shows."""
+    if any(key in data for key in TRAINER_STATE_KEYS):
+        return "trainer state"
+    if any(key in data for key in TRAINING_ARGS_KEYS):
+        return "TrainingArguments"
+    if any(key in data for key in DEEPSPEED_ONLY_KEYS):
+        return "DeepSpeed config"
+    return ""
+
+
+WHERE = {
+    "trainer state": "a Trainer's state (trainer_state.json, saved in every checkpoint-N), which holds no settings: "
+                     "give the checkpoint folder to `stepsync inspect`, or `stepsync check --resume-from` it",
+    "TrainingArguments": "TrainingArguments: pass it as --training-args",
+    "DeepSpeed config": "a DeepSpeed config: pass it as --deepspeed-config",
+}
+
+
+def must_be(data: Dict[str, Any], wanted: str, source: str) -> None:
+    """Refuse ``data`` where its keys show another kind of file than ``wanted``, naming the flag it belongs to."""
+    found = kind_of(data)
+    if found and found != wanted:
+        raise ConfigInputError(f"{source} is {WHERE[found]}")
+
+
+def misspelt(data: Dict[str, Any], read: Tuple[str, ...], source: str) -> None:
+    """Refuse a key that is not one stepsync reads but nearly is (``gradient_accumulation_step``), naming it."""
+    for key in data:
+        if key in read:
+            continue
+        near = difflib.get_close_matches(key, read, n=1, cutoff=0.9)
+        if near and near[0] not in data:
+            raise ConfigInputError(f"{key} in {source} is not a setting: did you mean {near[0]}?")
+
+
+def disagreement(key: str, configured: Any, asked: Any, where: str) -> str:
+    """A DeepSpeed config whose own value contradicts the one asked elsewhere, as ``check`` and ``verify`` say it."""
+    return (f"the DeepSpeed config sets {key}={configured} but {where} {asked}: the Trainer refuses that mismatch; "
+            f"set {key} to \"auto\" or make them equal")
+
+
+def deepspeed_config_from(data: Dict[str, Any], source: str) -> Dict[str, Any]:
+    """``data`` as a DeepSpeed config: another kind of file, or a misspelt key, is refused naming the fix."""
+    must_be(data, "DeepSpeed config", source)
+    misspelt(data, (*DEEPSPEED_ONLY_KEYS, *_DEEPSPEED), source)
+    return data
+
+
 def from_training_args(data: Dict[str, Any], source: str) -> Dict[str, Any]:
     """The values stepsync needs from a ``TrainingArguments`` JSON (``args.to_json_string()``)."""
-    deepspeed_keys = [key for key in DEEPSPEED_ONLY_KEYS if key in data]
-    if deepspeed_keys:
-        raise ConfigInputError(f"{source} is a DeepSpeed config (it has {deepspeed_keys[0]}), not TrainingArguments: "
-                               "pass it as --deepspeed-config")
+    must_be(data, "TrainingArguments", source)
+    misspelt(data, tuple(_TRAINING_ARGS), source)
     found: Dict[str, Any] = {}
     for field, name in _TRAINING_ARGS.items():
         if field not in data or data[field] is None:
@@ -91,7 +145,8 @@ def deepspeed_config_of(data: Dict[str, Any], base: str) -> Optional[Dict[str, A
     if isinstance(value, dict):
         return value
     if isinstance(value, str) and value:
-        return read_json(os.path.join(os.path.dirname(base), value), "the DeepSpeed config named by 'deepspeed'")
+        named = "the DeepSpeed config named by 'deepspeed'"
+        return deepspeed_config_from(read_json(os.path.join(os.path.dirname(base), value), named), named)
     return None
 
 
@@ -107,9 +162,7 @@ def resolve(flags: Dict[str, Any], training_args: Optional[Dict[str, Any]] = Non
             continue
         given = _number(given, key, "the DeepSpeed config", 1)
         if name in values and values[name] != given:
-            raise ConfigInputError(
-                f"the DeepSpeed config sets {key}={given} but the training arguments say {values[name]}: "
-                f"the Trainer refuses that mismatch; set {key} to \"auto\" or make them equal")
+            raise ConfigInputError(disagreement(key, given, values[name], "the training arguments say"))
         values[name] = given
     batch, gas = values.get("batch_size", 1), values.get("gas")
     if gas is None:

@@ -30,7 +30,7 @@ from ..core.errors import VerifyInputError
 from ..core.frameworks import FRAMEWORKS, BackwardCall
 from ..core.tokens import Normalisation, weigh_window
 from ..engine.tokens import sequence_weights
-from .config import engine_settings
+from .config import disagreement, engine_settings
 from .tiny_run import cpu_distributed_env
 
 # The loss is scaled this small so that no clip norm a config sets ever acts on the measured window.
@@ -113,6 +113,9 @@ def measuring_config(config: Dict[str, Any], g: int) -> Dict[str, Any]:
     scheduler of its own (the engine takes the client's plain SGD)."""
     if not isinstance(config, dict):
         raise VerifyInputError("the DeepSpeed config must be a JSON object")
+    own = config.get("gradient_accumulation_steps", "auto")
+    if own != "auto" and own != g:
+        raise VerifyInputError(disagreement("gradient_accumulation_steps", own, g, "--gas says"))
     measured = {k: v for k, v in copy.deepcopy(config).items() if k not in KEYS_REPLACED}
     measured.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=g, train_batch_size=g,
                     zero_allow_untested_optimizer=True, zero_force_ds_cpu_optimizer=False)

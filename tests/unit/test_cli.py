@@ -347,3 +347,49 @@ def test_the_readmes_check_of_a_users_files_runs_as_written(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "stepsync", "check", *flags], capture_output=True, text=True,
                           cwd=str(tmp_path), timeout=120)
     assert proc.returncode in (0, 1), proc.stderr
+
+
+@pytest.mark.reliability("bad_input")
+@pytest.mark.parametrize("flag, content, said", [
+    # trainer_state.json holds train_batch_size too: it was once taken for a DeepSpeed config
+    ("--training-args", {"global_step": 6, "log_history": [], "train_batch_size": 2, "best_model_checkpoint": None},
+     "is a Trainer's state (trainer_state.json, saved in every checkpoint-N)"),
+    ("--deepspeed-config", {"output_dir": "out", "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2},
+     "is TrainingArguments: pass it as --training-args"),
+    ("--training-args", {"per_device_train_batch_size": 2, "gradient_accumulation_step": 2},
+     "gradient_accumulation_step in {path} is not a setting: did you mean gradient_accumulation_steps?"),
+    ("--deepspeed-config", {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_step": 2},
+     "gradient_accumulation_step in {path} is not a setting: did you mean gradient_accumulation_steps?"),
+])
+def test_a_file_of_another_kind_or_a_misspelt_key_is_named(tmp_path, flag, content, said):
+    path = write(tmp_path, "given.json", json.dumps(content))
+    proc = stepsync("check", "--samples", "8", "--gas", "2", flag, path)
+    assert proc.returncode == 2 and said.format(path=path) in proc.stderr, proc.stderr
+
+
+@pytest.mark.reliability("bad_input")
+def test_the_trainers_binary_arguments_file_is_named_with_the_fix(tmp_path):
+    path = tmp_path / "training_args.bin"
+    path.write_bytes(b"PK\x03\x04\x80\x02binary pickle")
+    proc = stepsync("check", "--samples", "8", "--training-args", str(path))
+    assert proc.returncode == 2 and "is a binary file, not JSON" in proc.stderr
+    assert "trainer.args.to_json_string()" in proc.stderr and "codec" not in proc.stderr
+
+
+@pytest.mark.reliability("bad_input")
+def test_verify_refuses_what_check_refuses(tmp_path):
+    """A config whose own G contradicts --gas, and TrainingArguments given as the DeepSpeed config: both commands
+    refuse them with the same words, before anything runs (no torch needed)."""
+    own_g = write(tmp_path, "ds.json", json.dumps({"gradient_accumulation_steps": 4}))
+    args = write(tmp_path, "args.json", json.dumps({"output_dir": "out", "per_device_train_batch_size": 2}))
+    from stepsync.tools.verify import measuring_config
+    from stepsync.core.errors import VerifyInputError
+
+    with pytest.raises(VerifyInputError, match=r"sets gradient_accumulation_steps=4 but --gas says 2: the Trainer "
+                                               r"refuses that mismatch; set gradient_accumulation_steps to \"auto\""):
+        measuring_config(json.loads(open(own_g).read()), 2)
+    checked = stepsync("check", "--samples", "8", "--gas", "2", "--deepspeed-config", own_g)
+    assert checked.returncode == 2 and "sets gradient_accumulation_steps=4 but" in checked.stderr
+    for command in (["check", "--samples", "8", "--gas", "2"], ["verify", "--gas", "2"]):
+        proc = stepsync(*command, "--deepspeed-config", args)
+        assert proc.returncode == 2 and "is TrainingArguments: pass it as --training-args" in proc.stderr, proc.stderr
