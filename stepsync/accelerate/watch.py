@@ -101,8 +101,13 @@ class LoopWatch(LoopAdapter):
             raise StepSyncConfigError("this watch is for an accelerate Accelerator, and was given a DeepSpeed engine: "
                                       "call stepsync.watch(engine), which watches a loop that drives it itself")
         if "DEEPSPEED" not in str(getattr(accelerator, "distributed_type", "")):
-            self.report = idle_report(ACCELERATE_LOOP, self.policy,
-                                      "the accelerator does not use DeepSpeed: nothing to check")
+            kind = str(getattr(accelerator, "distributed_type", "unknown")).split(".")[-1]
+            self.report = idle_report(
+                ACCELERATE_LOOP, self.policy,
+                f"nothing to watch: the accelerator does not use DeepSpeed (distributed_type {kind}). "
+                "Given a DeepSpeed plugin, accelerate drops it under Accelerator(cpu=True): on a CPU machine leave "
+                "cpu out, set DS_ACCELERATOR=cpu and start the script with torchrun or accelerate launch",
+                logging.WARNING)
             return
         engine = find_engine(accelerator)
         if not is_engine(engine):

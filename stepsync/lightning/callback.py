@@ -2,6 +2,7 @@
 :class:`~stepsync.engine.run.Run` and applies what it decides to Lightning's loop and DeepSpeed's engine."""
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional, Union
 
 from lightning.pytorch import Callback
@@ -91,8 +92,9 @@ class StepSyncCallback(Callback, Adapter):
         self.report = idle_report(LIGHTNING, self.policy)
         engine = lightning_facts.deepspeed_engine(trainer)
         if engine is None:
-            self.report = idle_report(LIGHTNING, self.policy, "the Lightning Trainer does not use DeepSpeed: nothing "
-                                      "to check", speaks=trainer.is_global_zero)
+            self.report = idle_report(LIGHTNING, self.policy, "nothing to watch: the Lightning "
+                                      "Trainer does not use DeepSpeed (strategy='deepspeed_stage_N')", logging.WARNING,
+                                      speaks=trainer.is_global_zero)
             return
         try:
             behaviour = lightning_behaviour_of(LightningStack.installed())

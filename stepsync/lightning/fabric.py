@@ -65,7 +65,9 @@ class FabricWatch(LoopAdapter):
         self._patches = InstancePatches()
         engine = lightning_facts.fabric_engine(fabric, model)
         if engine is None:
-            self.report = idle_report(FABRIC_LOOP, policy, "this Fabric does not use DeepSpeed: nothing to check")
+            self.report = idle_report(FABRIC_LOOP, policy, "nothing to watch: this Fabric does "
+                                      "not use DeepSpeed (strategy='deepspeed' or a DeepSpeedStrategy)",
+                                      logging.WARNING)
             return
         self._start(engine, dataloader)
 

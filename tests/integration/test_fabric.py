@@ -149,3 +149,14 @@ def test_check_forecasts_what_a_real_fabric_loop_counts(n, g, epochs, policy):
     assert run.error is None, repr(run.error)
     ends = [(loop, engine) for epoch, index, loop, engine in run.batches if index == n - 1]
     assert forecast_epochs("fabric", n, g, epochs, policy) == ends
+
+
+def test_a_fabric_watch_without_deepspeed_says_so_when_it_starts(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="stepsync"):
+        record = run_fabric(3, 2, 1, policy="warn", deepspeed=False)
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert said == ["stepsync: nothing to watch: this Fabric does not use DeepSpeed (strategy='deepspeed' or a "
+                    "DeepSpeedStrategy)"]
+    assert record.error is None and not record.watch.report.active

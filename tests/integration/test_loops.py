@@ -229,3 +229,30 @@ def test_sync_makes_a_loops_own_windows_its_updates_or_says_why_it_cannot():
     else:
         assert run.engine_steps == run_window_loop(13, 3, 2).engine_steps and run.engine_steps[-1] == 26
         assert any("stay where accelerate puts them" in note for note in report.notes)
+
+
+def test_a_watch_that_cannot_watch_says_so_when_it_starts(caplog):
+    """Accelerator(cpu=True) drops the DeepSpeed plugin it is given (accelerate's own choice): the watch says at once,
+    as a warning, that it watches nothing, and why."""
+    import logging
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DeepSpeedPlugin
+
+    import stepsync
+    from stepsync.tools.tiny_run import cpu_distributed_env
+
+    cpu_distributed_env()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 0}}))
+    with caplog.at_level(logging.WARNING, logger="stepsync"):
+        watch = stepsync.watch(accelerator, "warn", console=False)
+    said = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(said) == 1 and said[0].startswith("stepsync: nothing to watch: the accelerator does not use DeepSpeed "
+                                                 "(distributed_type ")
+    assert "Accelerator(cpu=True)" in said[0] and not watch.report.active
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
