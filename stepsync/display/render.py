@@ -166,7 +166,8 @@ def audit_view(audit) -> Group:
                      _drift_text(item.drift) if item.drift is not None else Text("?"), status])
         messages += item.mismatches + item.problems
     table = _table(f"stepsync inspect: {audit.output_dir}",
-                   ["checkpoint", "trainer_state\nglobal_step", "DeepSpeed\nlatest", "stepsync\nrecord", "drift",
+                   ["checkpoint", "trainer_state\nglobal_step", "DeepSpeed\nlatest", "stepsync record\nTrainer/engine",
+                    "drift",
                     "status"], rows, justify="left")
     verdict = Text(audit.verdict(), style="green" if audit.ok else "bold yellow")
     return Group(table, *_notes(messages, "red"), verdict)

@@ -302,7 +302,8 @@ def _compare_steps(audit: CheckpointAudit) -> None:
         tag = f"global_step{audit.deepspeed_step}"
         audit.mismatches.append(
             f"{audit.name} holds DeepSpeed's {tag}: the Trainer counted {audit.counted} updates, the engine "
-            f"made {audit.deepspeed_step} (drift {audit.drift:+d}, the DeepSpeed issue 7405 pattern); "
+            f"made {audit.deepspeed_step} (drift {audit.drift:+d}: the folder is named by the Trainer's count, the "
+            "tag by the engine's, as in DeepSpeed's issue #7405); "
             "a resume inherits it: resume with StepSyncCallback(policy='realign'), which adopts the engine's count "
             "(the run then ends at the engine's last update, with fewer updates than planned and the micro-batches "
             "after it untrained, both said), or with policy='sync', which keeps this drift and adds none; use "
