@@ -37,6 +37,11 @@ class Counted:
         return self.trainer_steps - self.engine_steps  # type: ignore[attr-defined]  # every subclass has both
 
 
+# Where a check found a drift, as a message says it (the event keeps the short name).
+WHERE_IN_WORDS = {"train_begin": "as training began", "step_end": "at an update", "batch_end": "after a micro-batch",
+                  "epoch_end": "at the epoch's end"}
+
+
 @dataclass(frozen=True)
 class DriftEvent(Counted):
     """One change of the drift, seen at a step end, an epoch end or the start of training.
@@ -65,7 +70,8 @@ class DriftEvent(Counted):
 
     def message(self) -> str:
         return (
-            f"step drift {self.drift:+d} at epoch {self.epoch}, micro-batch {self.micro_batch} ({self.where}): "
+            f"step drift {self.drift:+d} at epoch {self.epoch}, micro-batch {self.micro_batch} "
+            f"({WHERE_IN_WORDS.get(self.where, self.where)}): "
             f"{self.counter}={self.trainer_steps}, {self.updates}={self.engine_steps}; "
             f"cause: {self.cause.value}; remedy: {self.remedy}"
         )

@@ -154,6 +154,14 @@ def test_a_report_prints_readably():
     assert "stepsync summary" in buffer.getvalue() and cut_lines(buffer.getvalue()) == []
 
 
+def test_a_drift_message_says_where_in_words():
+    from stepsync.core.events import Cause, DriftEvent
+
+    event = DriftEvent(1, 3, 2, 1, 0, Cause.PARTIAL_WINDOW, "use StepSyncCallback(policy='sync')", "step_end")
+    assert event.message().startswith("step drift +1 at epoch 1, micro-batch 3 (at an update): ")
+    assert event.to_dict()["where"] == "step_end"  # the records keep the short name
+
+
 def test_drop_last_says_what_it_left_per_epoch_in_words():
     from rich.console import Console
 
