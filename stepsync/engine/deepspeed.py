@@ -6,6 +6,7 @@ newer releases are handled alike, and a missing piece is reported instead of cra
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -222,3 +223,47 @@ class BoundaryOverride:
         if self._active:
             self.engine.set_gradient_accumulation_boundary(self._saved)
             self._active, self._last = False, None
+
+
+def slow_op_build(config: Any, prebuilt: Optional[dict] = None, roots: Sequence[str] = ()) -> str:
+    """What DeepSpeed will compile before the first step for ``config``'s optimizer, said before it starts; "" where
+    nothing: another optimizer, ``"torch_adam": true``, an op installed prebuilt (``prebuilt``: DeepSpeed's
+    ``installed_ops``) or already compiled under one of ``roots`` (torch's extension folders)."""
+    if not isinstance(config, dict):
+        return ""
+    optimizer = _section(config, "optimizer")
+    if str(optimizer.get("type", "")).lower() not in ("adam", "adamw") or _section(optimizer, "params").get(
+            "torch_adam"):
+        return ""
+    offload = _section(_section(config, "zero_optimization"), "offload_optimizer")
+    op = "cpu_adam" if offload.get("device") in ("cpu", "nvme") else "fused_adam"
+    if (prebuilt or {}).get(op) or any(_compiled(root, op) for root in roots):
+        return ""
+    return (f"DeepSpeed will compile its {op} op for this config's \"{optimizer.get('type')}\" optimizer when the "
+            "engine is built, with nothing printed while it does (a minute or more on a small CPU, again in every "
+            "environment that has not built it); to skip it, set \"torch_adam\": true in the optimizer's params "
+            "(torch's own Adam), or install DeepSpeed with its ops prebuilt")
+
+
+def _section(config: dict, key: str) -> dict:
+    value = config.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def _compiled(root: str, op: str) -> bool:
+    """Whether torch's extension folder ``root`` holds ``op`` compiled (``ROOT/[pyXY_DEVICE/]OP/OP.so``)."""
+    import glob
+
+    return bool(root) and bool(glob.glob(os.path.join(root, op, f"{op}.so")) or
+                               glob.glob(os.path.join(root, "*", op, f"{op}.so")))
+
+
+def op_build_of(config: Any) -> str:
+    """:func:`slow_op_build` for the installed DeepSpeed and this machine's extension folders."""
+    try:
+        from deepspeed.git_version_info import installed_ops
+    except ImportError:
+        installed_ops = {}
+    roots = [os.environ.get("TORCH_EXTENSIONS_DIR", ""), os.path.join(os.path.expanduser("~"), ".cache",
+                                                                      "torch_extensions")]
+    return slow_op_build(config, installed_ops, roots)

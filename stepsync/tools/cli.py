@@ -24,6 +24,7 @@ from ..core.relayout import Layout
 from ..core.tokens import trl_generation_scale
 from ..core.versions import Stack, behaviour_of, installed_version
 from ..display.render import audit_view, forecast_view
+from ..engine.deepspeed import op_build_of
 from .arguments import policy_name, positive_epochs, positive_int
 from .audit import audit_output_dir
 from .config import (
@@ -211,6 +212,8 @@ def run_check(args) -> int:
     faults, certain = weight_faults_of(deepspeed, versions["deepspeed"], inputs.gradient_accumulation_steps,
                                        framework.backward_call)
     notes += faults
+    build = op_build_of(deepspeed)
+    notes += [build] if build else []
     if args.training_args:  # a TRL config's GRPO loss, against the installed TRL
         scaled = trl_generation_scale(installed_version("trl"), data.get("loss_type"),
                                       data.get("steps_per_generation"), inputs.gradient_accumulation_steps)

@@ -11,7 +11,7 @@ from types import FrameType
 from typing import Any, List, Optional, Tuple
 
 from ..core.frameworks import TRAINER
-from ..core.record import ResumeRecord, load_record, record_in_trainer_state, save_record
+from ..core.record import ResumeRecord, load_record, read_json, record_in_trainer_state, save_record
 from ..core.relayout import Layout
 from ..engine.deepspeed import is_engine
 from ..engine.resume import record_of
@@ -149,6 +149,20 @@ def layout_of(args: Any, engine: Any, examples: Optional[int]) -> Optional[Layou
 def uses_deepspeed(trainer: Any, args: Any) -> bool:
     """Whether the Trainer was asked to use DeepSpeed."""
     return bool(getattr(args, "deepspeed", None)) or bool(getattr(trainer, "is_deepspeed_enabled", False))
+
+
+def deepspeed_config(args: Any) -> Optional[dict]:
+    """The DeepSpeed config the Trainer will build its engine from, as ``TrainingArguments`` hold it."""
+    held = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
+    if isinstance(held, dict):
+        return held
+    given = getattr(args, "deepspeed", None)
+    if isinstance(given, str) and os.path.isfile(given):
+        try:
+            return read_json(given)
+        except ValueError:
+            return None
+    return given if isinstance(given, dict) else None
 
 
 def speaks(args: Any, state: Any) -> bool:

@@ -393,3 +393,34 @@ def test_verify_refuses_what_check_refuses(tmp_path):
     for command in (["check", "--samples", "8", "--gas", "2"], ["verify", "--gas", "2"]):
         proc = stepsync(*command, "--deepspeed-config", args)
         assert proc.returncode == 2 and "is TrainingArguments: pass it as --training-args" in proc.stderr, proc.stderr
+
+
+def test_a_slow_op_build_is_said_before_it_starts(tmp_path):
+    """An Adam/AdamW optimizer in the DeepSpeed config makes DeepSpeed compile fused_adam (cpu_adam where the
+    optimizer is offloaded) when the engine is built; "torch_adam", a prebuilt op or one compiled before say
+    nothing."""
+    from stepsync.engine.deepspeed import slow_op_build
+
+    adam = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    said = slow_op_build(adam, {}, [str(tmp_path)])
+    assert said.startswith("DeepSpeed will compile its fused_adam op for this config's \"AdamW\" optimizer")
+    assert '"torch_adam": true' in said
+    offloaded = {**adam, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert "its cpu_adam op" in slow_op_build(offloaded, {}, [str(tmp_path)])
+    assert slow_op_build({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}, {}, []) == ""
+    assert slow_op_build({"optimizer": {"type": "SGD"}}, {}, []) == ""
+    assert slow_op_build({}, {}, []) == "" and slow_op_build(None, {}, []) == ""
+    assert slow_op_build(adam, {"fused_adam": True}, []) == ""
+    built = tmp_path / "py311_cpu" / "fused_adam"
+    built.mkdir(parents=True)
+    (built / "fused_adam.so").write_bytes(b"")
+    assert slow_op_build(adam, {}, [str(tmp_path)]) == ""
+
+
+def test_check_says_the_build_a_config_will_make(tmp_path):
+    ds = write(tmp_path, "ds.json", json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+                                                "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}))
+    proc = stepsync("check", "--samples", "4", "--deepspeed-config", ds, "--json",
+                    env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "HOME": str(tmp_path)})
+    assert proc.returncode in (0, 1), proc.stderr
+    assert any("DeepSpeed will compile its fused_adam op" in note for note in json.loads(proc.stdout)["notes"])
