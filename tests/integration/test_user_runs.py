@@ -340,3 +340,34 @@ def test_adopting_stepsync_on_a_resumed_job_keeps_saving(tmp_path, monkeypatch, 
     assert (report.trainer_steps, report.engine_steps) == (resumed.trainer.state.global_step, rec.engine_steps[-1])
     saved = [name for name in os.listdir(tmp_path / "run") if name.startswith("checkpoint-")]
     assert saved and f"checkpoint-{resumed.trainer.state.global_step}" in saved
+
+
+def test_the_callback_says_a_slow_op_build_before_train_builds_the_engine(tmp_path, caplog):
+    """A DeepSpeed config with DeepSpeed's own AdamW: said at the Trainer's init, before train() builds the engine
+    (and compiles the op); the Trainer is not trained here."""
+    import logging
+
+    from transformers import Trainer
+
+    from stepsync import StepSyncCallback
+    from stepsync.tools.tiny_run import TinyDataset, cpu_distributed_env, deepspeed_config, tiny_model, training_args
+
+    cpu_distributed_env()
+    config = deepspeed_config(0)
+    config["optimizer"]["params"] = {k: v for k, v in config["optimizer"]["params"].items() if k != "torch_adam"}
+    extensions = tmp_path / "no-ops-built"
+    extensions.mkdir()
+    previous = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions)
+    try:
+        with caplog.at_level(logging.WARNING, logger="stepsync"):
+            Trainer(model=tiny_model(), args=training_args(str(tmp_path), 2, deepspeed=config),
+                    train_dataset=TinyDataset(3), callbacks=[StepSyncCallback(console=False)])
+    finally:
+        if previous is None:
+            os.environ.pop("TORCH_EXTENSIONS_DIR")
+        else:
+            os.environ["TORCH_EXTENSIONS_DIR"] = previous
+    said = [r.getMessage() for r in caplog.records if "will compile" in r.getMessage()]
+    assert len(said) == 1 and "its fused_adam op for this config's \"AdamW\" optimizer" in said[0]
+    assert '"torch_adam": true' in said[0]
