@@ -250,6 +250,8 @@ def run_check(args) -> int:
 
 def resume_of(folder: str, inputs, behaviour):
     """The shift of resuming checkpoint ``folder`` on ``inputs``' layout (ValueError naming the fix if no record)."""
+    if not os.path.isdir(folder):
+        raise ConfigInputError(f"--resume-from {folder!r} does not exist: pass the checkpoint-N folder to resume")
     record = load_record(folder)
     if record is None or record.layout is None or record.examples is None:
         raise ConfigInputError(f"{folder!r} holds no stepsync record with the layout it was saved on: pass a "
@@ -344,6 +346,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return run_demo(args)
     except StepSyncError as exc:  # only stepsync's own: any other error is a bug, shown with its traceback
         print(f"stepsync: error: {exc}", file=sys.stderr)
+        if "--json" in (sys.argv[1:] if argv is None else argv):  # a reader of stdout gets one object either way
+            print(json.dumps({"error": str(exc), "exit_status": EXIT_BAD_INPUT}))
         return EXIT_BAD_INPUT
     except ImportError as exc:  # run without installing stepsync's own requirements
         print(f"stepsync: error: a package stepsync needs is missing ({exc}): {install_hint()}", file=sys.stderr)

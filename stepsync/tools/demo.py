@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import shutil
 import tempfile
 from typing import List
 
@@ -77,13 +76,13 @@ def run_demo(args) -> int:
                       "accelerate < 1.8: bash scripts/demo.sh builds such a stack, or pip install 'accelerate<1.8'.")
     logging.getLogger("stepsync").setLevel(logging.ERROR)  # the views below say it; no second copy as log lines
     finals, failed = [], False
+    saved_under = tempfile.mkdtemp(prefix="stepsync-demo-")  # each demo its own: the last one's checkpoints stay
     for policy in policies:
         what = policy.role
         title = f"policy '{policy.value}' ({what})"
         console.rule(title)
         rows: List[tuple] = []
-        output_dir = os.path.join(SAVED, policy.value)
-        shutil.rmtree(output_dir, ignore_errors=True)  # the last demo's checkpoints: this run saves its own
+        output_dir = os.path.join(saved_under, policy.value)
         with Live(counters_table(title, rows), console=console, refresh_per_second=8) as live:
             live_table = _live_rows(live, title, rows)
             result = run_tiny(output_dir, samples=args.samples, gas=args.gas, epochs=args.epochs,
@@ -100,10 +99,8 @@ def run_demo(args) -> int:
                       + (f" (drift {trainer - engine:+d})" if engine is not None else ""))
     console.rule("result")
     console.print("; ".join(finals))
-    saved = os.path.join(SAVED, policies[0].value)
+    saved = os.path.join(saved_under, policies[0].value)
     console.print(f"Each run saved a checkpoint at every epoch end: stepsync inspect {saved} says what a resume "
                   "from each would carry.", highlight=False)
     return 1 if failed else 0
 
-
-SAVED = os.path.join(tempfile.gettempdir(), "stepsync-demo")  # where the demo's runs save their checkpoints

@@ -130,10 +130,12 @@ def test_demo_compare_shows_the_drift_and_the_fix():
     # A pipe gets 80 columns: nothing cut.
     assert [line for line in out.splitlines() if "…" in line or len(line) > 80] == []
     # Its checkpoints are there for inspect, which names the drift the first run's carry.
+    import re
     import tempfile
 
-    saved = os.path.join(tempfile.gettempdir(), "stepsync-demo", "warn")
-    assert f"stepsync inspect {saved}" in flat
+    saved = re.search(r"stepsync inspect (\S+) says", flat).group(1)
+    # Each demo saves under a folder of its own: a second one never overwrites what the first told to inspect.
+    assert saved.startswith(os.path.join(tempfile.gettempdir(), "stepsync-demo-")) and saved.endswith("warn")
     inspected = subprocess.run([sys.executable, "-m", "stepsync", "inspect", saved, "--quick", "--json"],
                                env=child_env(), capture_output=True, text=True, timeout=120)
     steps = [c["trainer_step"] for c in json.loads(inspected.stdout)["checkpoints"]]

@@ -424,3 +424,13 @@ def test_check_says_the_build_a_config_will_make(tmp_path):
                     env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "HOME": str(tmp_path)})
     assert proc.returncode in (0, 1), proc.stderr
     assert any("DeepSpeed will compile its fused_adam op" in note for note in json.loads(proc.stdout)["notes"])
+
+
+@pytest.mark.reliability("bad_input")
+def test_a_resume_folder_that_does_not_exist_is_named_and_json_gets_its_error_as_json(tmp_path):
+    missing = str(tmp_path / "checkpoint-9")
+    proc = stepsync("check", "--samples", "8", "--gas", "2", "--resume-from", missing, "--json")
+    assert proc.returncode == 2
+    assert f"--resume-from {missing!r} does not exist: pass the checkpoint-N folder to resume" in proc.stderr
+    said = json.loads(proc.stdout)
+    assert said["exit_status"] == 2 and "does not exist" in said["error"]
