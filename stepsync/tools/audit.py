@@ -155,7 +155,12 @@ def audit_output_dir(path: str, verify_data: bool = True, framework: Optional[Fr
             by = saved_by[other[0]]
             raise AuditInputError(f"{', '.join(other)} in {path!r} were saved by {by.name}, not {framework.name}: "
                                   f"pass --framework {by.key} (or leave --framework out)")
-    return OutputAudit(path, [audit_checkpoint(item.path, verify_data, item) for item in found])
+    audits = [audit_checkpoint(item.path, verify_data, item) for item in found]
+    if named is None and audits:  # the earliest of a run's checkpoints has none earlier to resume from
+        first = audits[0]
+        first.problems = [problem.replace("resume from an earlier checkpoint", "there is no earlier checkpoint: "
+                                          "repair this one, or train from the start") for problem in first.problems]
+    return OutputAudit(path, audits)
 
 
 def audit_checkpoint(path: str, verify_data: bool = True, located: Optional[Located] = None) -> CheckpointAudit:
@@ -292,7 +297,8 @@ def _without_latest(audit: CheckpointAudit, entries: List[str], verify_data: boo
             f"or write {tag} into {audit.name}/latest")
     else:
         audit.problems.append(f"{audit.name} has {tag}/ but no 'latest' file: DeepSpeed's save did not finish "
-                              "(or 'latest' was deleted); resume from an earlier checkpoint")
+                              f"(or 'latest' was deleted); where {tag}/ is whole (no other line below names it), "
+                              f"write {tag} into {audit.name}/latest, else resume from an earlier checkpoint")
     _compare_steps(audit)
     _read_tag_folder(audit, entries, verify_data)
 

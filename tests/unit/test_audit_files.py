@@ -117,3 +117,13 @@ def test_inspect_framework_refuses_the_folders_another_framework_saved(tmp_path)
         for framework in ("lightning", "fabric"):
             code, line = said[folder, framework]
             assert code == 2 and "reads trainer's and accelerate's checkpoints" in line, line
+
+
+def test_a_missing_latest_names_its_repair_and_the_earliest_checkpoint_is_not_sent_to_an_earlier_one(tmp_path):
+    checkpoint(tmp_path, 2, [0, 1], 2, 2, latest=False)
+    checkpoint(tmp_path, 4, [0, 1], 2, 2, latest=False)
+    first, second = audit_output_dir(str(tmp_path)).checkpoints
+    assert "write global_step4 into checkpoint-4/latest, else resume from an earlier checkpoint" in second.problems[0]
+    assert "write global_step2 into checkpoint-2/latest, else there is no earlier checkpoint: repair this one, or " \
+           "train from the start" in first.problems[0]
+    assert not any("earlier checkpoint" in p and "no earlier" not in p for p in first.problems)
