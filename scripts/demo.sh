@@ -6,8 +6,10 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 start=$(date +%s)
 if command -v uv >/dev/null; then
   echo "stepsync demo: 1/3 uv, the fast installer, is here"
+elif [ -n "${STEPSYNC_NO_UV:-}" ]; then
+  echo "stepsync demo: 1/3 STEPSYNC_NO_UV is set: your python3 is left as it is, and pip builds the stack (slower)"
 else
-  echo "stepsync demo: 1/3 installing uv, the fast installer, into $(python3 -c 'import sys; print(sys.prefix)') with pip (remove it later with: python3 -m pip uninstall uv)"
+  echo "stepsync demo: 1/3 installing uv, the fast installer, into $(python3 -c 'import sys; print(sys.prefix)') with pip (remove it later with: python3 -m pip uninstall uv; STEPSYNC_NO_UV=1 leaves your python3 as it is, and pip builds the stack, slower)"
   python3 -m pip install -q uv || echo "stepsync demo: no uv; pip will build the stack (slower)"
 fi
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
