@@ -273,14 +273,22 @@ def run_inspect(args) -> int:
                    for item in audit.checkpoints]
     elif args.batch_size is not None or args.gas is not None or args.examples is not None:
         raise ConfigInputError("--batch-size, --gas and --examples describe a resume: give --world-size too")
+    # On another number of ranks: the newest checkpoint that is whole and that DeepSpeed loads there.
+    here = next((item.name for item, resume in zip(reversed(audit.checkpoints), reversed(resumes))
+                 if item.ok and resume.works), None)
     if args.json:
-        print(json.dumps({**audit.to_dict(), **({"resume_on": [r.to_dict() for r in resumes]} if resumes else {})}))
+        print(json.dumps({**audit.to_dict(), **({"resume_on": [r.to_dict() for r in resumes],
+                                                 "safe_to_resume_on_world_size": here} if resumes else {})}))
     else:
         console = Console()
         console.print(audit_view(audit))
         for resume in resumes:
             for line in resume.lines():
                 console.print(line, style="green" if resume.works else "bold yellow", highlight=False)
+        if resumes:
+            console.print(f"on {args.world_size} rank(s): " + (f"safe to resume from: {here}" if here else
+                          "no checkpoint resumes as it stands (the lines above say why, and the fix)"),
+                          style="green" if here else "bold yellow", highlight=False)
     return EXIT_ALIGNED if audit.ok and all(r.works for r in resumes) else EXIT_DRIFTS
 
 

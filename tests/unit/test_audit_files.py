@@ -127,3 +127,23 @@ def test_a_missing_latest_names_its_repair_and_the_earliest_checkpoint_is_not_se
     assert "write global_step2 into checkpoint-2/latest, else there is no earlier checkpoint: repair this one, or " \
            "train from the start" in first.problems[0]
     assert not any("earlier checkpoint" in p and "no earlier" not in p for p in first.problems)
+
+
+def test_inspect_on_another_number_of_ranks_names_the_checkpoint_that_resumes_there(tmp_path):
+    """A ZeRO-2 checkpoint saved on one rank: whole, so the verdict as saved calls it safe; on two ranks DeepSpeed
+    refuses its partitioned optimizer states, and the verdict for two ranks says no checkpoint resumes there."""
+    import subprocess
+    import sys
+
+    checkpoint(tmp_path, 2, [0], 2, 1)
+    done = subprocess.run([sys.executable, "-m", "stepsync", "inspect", str(tmp_path), "--world-size", "2", "--quick",
+                           "--json"], capture_output=True, text=True, timeout=120)
+    said = json.loads(done.stdout)
+    assert said["safe_to_resume"] == "checkpoint-2" and said["safe_to_resume_on_world_size"] is None
+    assert done.returncode == 1 and not said["resume_on"][0]["works"]
+    done = subprocess.run([sys.executable, "-m", "stepsync", "inspect", str(tmp_path), "--world-size", "1",
+                           "--quick", "--json"], capture_output=True, text=True, timeout=120)
+    assert json.loads(done.stdout)["safe_to_resume_on_world_size"] == "checkpoint-2"
+    text = subprocess.run([sys.executable, "-m", "stepsync", "inspect", str(tmp_path), "--world-size", "2",
+                           "--quick"], capture_output=True, text=True, timeout=120).stdout
+    assert "on 2 rank(s): no checkpoint resumes as it stands" in " ".join(text.split())
