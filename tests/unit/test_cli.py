@@ -332,21 +332,40 @@ def test_verify_takes_checks_flag_name_for_the_deepspeed_config(tmp_path, capsys
     assert "without stepsync" not in help_text and "policy 'warn': stepsync only watches" in help_text
 
 
-def test_the_readmes_check_of_a_users_files_runs_as_written(tmp_path):
-    """README.md's "Am I affected?" line for the user's own files, with files a user has: exit 0 or 1, never 2."""
+def test_the_readmes_commands_for_a_users_files_run_as_written(tmp_path):
+    """README.md's "Am I affected?" block, line by line, on files a user has (a TrainingArguments JSON, a DeepSpeed
+    config, a Trainer's output folder): exit 0 or 1, never 2. verify, which trains a window, needs torch and
+    DeepSpeed: without them it says so (exit 2), and the stacks run it (tests/integration/test_verify.py)."""
+    import importlib.util
     import re
 
+    from harness.stack import write_torch_archive
+
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with open(os.path.join(root, "README.md")) as readme:
-        line = next(line for line in readme if "--training-args args.json" in line)
-    flags = re.sub(r"\s+#.*$", "", line).split()[2:]
+    readme = open(os.path.join(root, "README.md")).read()
+    block = readme[readme.index("## Am I affected?"):]
+    block = block[block.index("```bash") + 7:block.index("```", block.index("```bash") + 7)]
+    lines = [re.sub(r"\s+#.*$", "", line).split() for line in block.strip().splitlines()]
+    assert [line[1] for line in lines] == ["check", "check", "verify", "inspect"]
     write(tmp_path, "args.json", json.dumps({"per_device_train_batch_size": 8, "gradient_accumulation_steps": 4,
                                              "num_train_epochs": 3.0, "max_steps": -1, "deepspeed": "ds_config.json"}))
     write(tmp_path, "ds_config.json", json.dumps({"train_micro_batch_size_per_gpu": "auto",
-                                                  "gradient_accumulation_steps": "auto"}))
-    proc = subprocess.run([sys.executable, "-m", "stepsync", "check", *flags], capture_output=True, text=True,
-                          cwd=str(tmp_path), timeout=120)
-    assert proc.returncode in (0, 1), proc.stderr
+                                                  "gradient_accumulation_steps": "auto",
+                                                  "zero_optimization": {"stage": 0}}))
+    saved = tmp_path / "runs" / "my-job" / "checkpoint-2"
+    (saved / "global_step2").mkdir(parents=True)
+    (saved / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+    (saved / "latest").write_text("global_step2")
+    write_torch_archive(saved / "global_step2" / "mp_rank_00_model_states.pt",
+                        {"dp_world_size": 2, "ds_config": {"zero_optimization": {"stage": 0}}})
+    trains = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("deepspeed") is not None
+    for line in lines:
+        proc = subprocess.run([sys.executable, "-m", "stepsync", *line[1:]], capture_output=True, text=True,
+                              cwd=str(tmp_path), timeout=300)
+        if line[1] == "verify" and not trains:
+            assert proc.returncode == 2 and "stepsync verify runs DeepSpeed: it needs" in proc.stderr
+            continue
+        assert proc.returncode in (0, 1), (line, proc.stderr[-2000:])
 
 
 @pytest.mark.reliability("bad_input")
