@@ -276,6 +276,8 @@ def _token_window(measured: Dict[str, Any], g: int, call: BackwardCall, path: st
     torch.manual_seed(0)
 
     class TinyLM(torch.nn.Module):
+        """A causal LM as transformers models are: the loss computed inside from its logits, both returned."""
+
         def __init__(self) -> None:
             super().__init__()
             self.embed = torch.nn.Embedding(VOCABULARY, 16)
@@ -284,10 +286,15 @@ def _token_window(measured: Dict[str, Any], g: int, call: BackwardCall, path: st
         def get_output_embeddings(self):
             return self.head
 
-        def forward(self, ids):
-            return self.head(torch.tanh(self.embed(ids)))
+        def forward(self, ids, labels, divisor):
+            logits = self.head(torch.tanh(self.embed(ids)))
+            summed = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCABULARY).float(),
+                                                       labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
+            return {"loss": summed / divisor, "logits": logits}
 
     model = TinyLM()
+    made: List[Any] = []  # the head's output, hooked once the engine's forward returns, as the run-time check does
+    model.head.register_forward_hook(lambda module, inputs, output: made.append(output))
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
                                       config=measured)
     counts = [TOKEN_COUNTS[k % len(TOKEN_COUNTS)] for k in range(g)]
@@ -298,20 +305,19 @@ def _token_window(measured: Dict[str, Any], g: int, call: BackwardCall, path: st
         ids = torch.randint(0, VOCABULARY, (1, max(TOKEN_COUNTS) + 2), generator=generator).to(engine.device)
         labels = ids.clone()
         labels[:, count + 1:] = -100
-        logits = engine(ids)
+        # what the loss divides its summed tokens by: the window's tokens (times G where the framework divides by
+        # G), or the micro-batch's own
+        divisor = {"divided by num_items_in_batch": window_tokens,
+                   "window tokens, times G": window_tokens / g}.get(path, count)
+        out = engine(ids, labels, divisor)
+        logits = made.pop()
         logits.register_hook(_reader(records, logits.detach(), k))
-        summed = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCABULARY).float(),
-                                                   labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
-        if path == "divided by num_items_in_batch":
-            engine.backward(summed / window_tokens, scale_wrt_gas=False)
-        elif path == "window tokens, times G":
-            engine.backward(summed / window_tokens * g)
-        elif call is BackwardCall.TRAINER:  # the model's own mean, the Trainer not dividing by G
-            engine.backward(summed / count, scale_wrt_gas=False)
+        if call is BackwardCall.TRAINER:  # no division by G; the loss times the ranks (one), as the Trainer does
+            engine.backward(out["loss"] * 1, scale_wrt_gas=False)
         elif call is BackwardCall.LIGHTNING:
-            engine.backward(summed / count / g)
+            engine.backward(out["loss"] / g)
         else:
-            engine.backward(summed / count)
+            engine.backward(out["loss"])
         engine.step()
     weighting = weigh_window(records, Normalisation.TOKEN_MEAN, 1, 1, "", g=g)
     per_micro_batch: Dict[int, float] = {}
