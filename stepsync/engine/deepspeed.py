@@ -260,10 +260,33 @@ def _compiled(root: str, op: str) -> bool:
 
 def op_build_of(config: Any) -> str:
     """:func:`slow_op_build` for the installed DeepSpeed and this machine's extension folders."""
-    try:
-        from deepspeed.git_version_info import installed_ops
-    except ImportError:
-        installed_ops = {}
     roots = [os.environ.get("TORCH_EXTENSIONS_DIR", ""), os.path.join(os.path.expanduser("~"), ".cache",
                                                                       "torch_extensions")]
-    return slow_op_build(config, installed_ops, roots)
+    return slow_op_build(config, prebuilt_ops(), roots)
+
+
+def prebuilt_ops() -> dict:
+    """DeepSpeed's ``installed_ops`` (the ops its install compiled), read from its file without importing DeepSpeed
+    (which imports torch: ``stepsync check`` needs neither); empty where it cannot be read."""
+    import ast
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("deepspeed")
+    except (ImportError, ValueError):
+        return {}
+    folders = list(spec.submodule_search_locations or ()) if spec is not None else []
+    for folder in folders:
+        try:
+            with open(os.path.join(folder, "git_version_info_installed.py")) as source:
+                tree = ast.parse(source.read())
+        except (OSError, SyntaxError, ValueError):
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "installed_ops" for t in node.targets):
+                try:
+                    found = ast.literal_eval(node.value)
+                except ValueError:
+                    return {}
+                return found if isinstance(found, dict) else {}
+    return {}
