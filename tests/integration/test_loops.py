@@ -231,28 +231,28 @@ def test_sync_makes_a_loops_own_windows_its_updates_or_says_why_it_cannot():
         assert any("stay where accelerate puts them" in note for note in report.notes)
 
 
-def test_a_watch_that_cannot_watch_says_so_when_it_starts(caplog):
+def test_a_watch_that_cannot_watch_says_so_when_it_starts():
     """Accelerator(cpu=True) drops the DeepSpeed plugin it is given (accelerate's own choice): the watch says at once,
-    as a warning, that it watches nothing, and why."""
-    import logging
+    as a warning, that it watches nothing, and why. In a process of its own: accelerate keeps one state per process."""
+    from harness.runs import child_env
 
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
-    from accelerate.utils import DeepSpeedPlugin
-
-    import stepsync
-    from stepsync.tools.tiny_run import cpu_distributed_env
-
-    cpu_distributed_env()
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    accelerator = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config={
-        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 0}}))
-    with caplog.at_level(logging.WARNING, logger="stepsync"):
-        watch = stepsync.watch(accelerator, "warn", console=False)
-    said = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    code = (
+        "from stepsync.tools.tiny_run import cpu_distributed_env\n"
+        "cpu_distributed_env()\n"
+        "from accelerate import Accelerator\n"
+        "from accelerate.utils import DeepSpeedPlugin\n"
+        "import stepsync\n"
+        "config = {'train_micro_batch_size_per_gpu': 1, 'gradient_accumulation_steps': 1,\n"
+        "          'zero_optimization': {'stage': 0}}\n"
+        "accelerator = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))\n"
+        "watch = stepsync.watch(accelerator, 'warn', console=False)\n"
+        "print('active', watch.report.active)\n")
+    # accelerate leaves ACCELERATE_* variables behind after a DeepSpeed loop (ACCELERATE_USE_DEEPSPEED): a user's
+    # fresh process has none
+    env = {key: value for key, value in child_env().items() if not key.startswith("ACCELERATE_")}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = [line for line in proc.stderr.splitlines() if line.startswith("stepsync: ")]
     assert len(said) == 1 and said[0].startswith("stepsync: nothing to watch: the accelerator does not use DeepSpeed "
-                                                 "(distributed_type ")
-    assert "Accelerator(cpu=True)" in said[0] and not watch.report.active
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+                                                 "(distributed_type "), said
+    assert "Accelerator(cpu=True)" in said[0] and proc.stdout.strip() == "active False"
