@@ -1,15 +1,16 @@
-"""Probe DeepSpeed's bf16 optimizer on two ranks: each micro-batch's weight in one window, solved from the parameters
+"""Probe DeepSpeed's bf16 optimizer on W ranks: each micro-batch's weight in one window, solved from the parameters
 (one weight per sample, plain SGD at lr 1, the engine driven directly). Rank r trains samples r*G .. r*G+G-1; a right
-update gives each 1/(2G). Run under torchrun, one configuration per launch:
+update gives each 1/(WG). Run under torchrun, one configuration per launch:
 
-    DS_ACCELERATOR=cpu PYTHON -m torch.distributed.run --nproc_per_node 2 scripts/probe_bf16_ranks.py STAGE G \\
+    DS_ACCELERATOR=cpu PYTHON -m torch.distributed.run --nproc_per_node W scripts/probe_bf16_ranks.py STAGE G \\
         [grad_accum_fp32] [immediate]
 
 ``grad_accum_fp32`` sets ``data_types.grad_accum_dtype: fp32`` (what makes DeepSpeed pick its BF16_Optimizer with
 ZeRO-1), ``immediate`` sets ``bf16.immediate_grad_update: true``. Rank 0 prints one JSON row (``shares``: each
-micro-batch's share times 2G, per rank in order; ``wrong``: the 1-based micro-batches of a window that are not 1/(2G)
-on either rank; ``residual``: |update - the right update| / |the right update|), or ``cannot_run`` with DeepSpeed's
-refusal.
+micro-batch's share times WG, per rank in order; ``wrong``: the 1-based micro-batches of a window that are not 1/(WG)
+on any rank; ``residual``: |update - the right update| / |the right update|), or ``cannot_run`` with DeepSpeed's
+refusal. Its rows are stored in ``stepsync/core/weight_probes.json`` (``tests/unit/test_weights.py`` holds the
+weight faults' rows against them).
 """
 import json
 import os
@@ -34,10 +35,12 @@ def main(stage: int, g: int, options) -> None:
               "bf16": {"enabled": True, **({"immediate_grad_update": True} if "immediate" in options else {})}}
     if "grad_accum_fp32" in options:
         config["data_types"] = {"grad_accum_dtype": "fp32"}
-    row = dict(deepspeed=version("deepspeed"), world_size=2, stage=stage, g=g, precision="bf16",
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    row = dict(deepspeed=version("deepspeed"), world_size=world, stage=stage, offload="none", g=g, precision="bf16",
+               call="engine", outputs="loss",
                grad_accum_dtype="fp32" if "grad_accum_fp32" in options else None,
                immediate_grad_update="immediate" in options)
-    width = 2 * g
+    width = world * g
     model = torch.nn.Linear(width, 1, bias=False)
     torch.nn.init.zeros_(model.weight)
     try:

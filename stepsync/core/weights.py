@@ -17,7 +17,7 @@ import json
 import os
 from dataclasses import dataclass
 from enum import Enum
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .frameworks import BackwardCall
 from .versions import parse_version
@@ -25,6 +25,7 @@ from .versions import parse_version
 PROBES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weight_probes.json")
 # The backward calls the probes measured (BackwardCall says each in words; Lightning's weighs as the engine's).
 CALLS = (BackwardCall.ENGINE, BackwardCall.ACCELERATE, BackwardCall.TRAINER)
+FP32_NAMES = ("fp32", "float32", "float", "torch.float32")  # what DeepSpeed's DtypeEnum reads as fp32
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class WeightFault:
         effect: what happens, in words.
         avoid: how to avoid it.
         first_wrong, last_kept: the window's micro-batches from ``first_wrong`` (1-based) on do not weigh 1/G,
-            up to the last one, which keeps its weight where ``last_kept``.
+            up to the last one, which keeps its weight where ``last_kept``; only the last where ``last_only``.
         calls: the backward calls it shows with (:data:`CALLS`).
         through_outputs: it shows only where the loss is computed from another tensor of the model's output (a
             transformers model's logits): known at the first forward, not before.
@@ -51,6 +52,9 @@ class WeightFault:
         accelerate: (the first accelerate release measured with it, the first measured without it after it) where
             it needs accelerate too; None where it does not.
         smallest_world: the fewest data-parallel ranks it shows on.
+        grad_accum_fp32: True where it shows only with the config's ``data_types.grad_accum_dtype: fp32``, None
+            with or without it.
+        immediate_update_avoids: ``bf16.immediate_grad_update: true`` avoids it (read at the engine's init only).
     """
 
     name: str
@@ -66,33 +70,57 @@ class WeightFault:
     avoid: str
     first_wrong: int = 1
     last_kept: bool = False
+    last_only: bool = False
     calls: Tuple[BackwardCall, ...] = CALLS
     through_outputs: bool = False
     repairable: bool = False
     accelerate: Optional[Tuple[str, str]] = None
     smallest_world: int = 1
+    grad_accum_fp32: Optional[bool] = None
+    immediate_update_avoids: bool = False
 
     def shows(self, deepspeed: str, stage: int, offload: bool, precision: str, g: int,
               call: BackwardCall = BackwardCall.ENGINE,
-              through_outputs: Optional[bool] = False, accelerate: Optional[str] = None, world_size: int = 1) -> bool:
+              through_outputs: Optional[bool] = False, accelerate: Optional[str] = None, world_size: int = 1,
+              accumulation: Optional[Accumulation] = None) -> bool:
         """Whether this fault shows on this release and configuration: measured from ``first_measured`` on, and
         taken to last until ``fixed_in`` (the releases between the last measured and the fix included).
         ``through_outputs`` None: not known yet (before the first forward), so a fault that needs it may show."""
+        accumulation = accumulation or Accumulation()
         return (stage in self.stages and self.offload in (None, offload) and self.precision in (None, precision)
                 and g >= self.smallest_g and BackwardCall(call).as_probed in self.calls
                 and world_size >= self.smallest_world
+                and self.grad_accum_fp32 in (None, accumulation.fp32)
+                and not (self.immediate_update_avoids and accumulation.immediate_update)
                 and (not self.through_outputs or through_outputs is not False)
                 and _within(deepspeed, self.first_measured, self.fixed_in)
                 and (self.accelerate is None or (accelerate is not None and _within(accelerate, *self.accelerate))))
 
     def wrong_micro_batches(self, g: int) -> List[int]:
         """The 1-based micro-batches of a window that do not weigh 1/G."""
-        return list(range(self.first_wrong, g if self.last_kept else g + 1))
+        return list(range(g if self.last_only else self.first_wrong, g if self.last_kept else g + 1))
 
     def message(self, deepspeed: str, g: int) -> str:
         wrong = self.wrong_micro_batches(g)
         return (f"DeepSpeed {deepspeed} {self.effect} (micro-batch(es) {wrong} of every window of {g}; measured on "
                 f"{self.first_measured} to {self.last_measured}, right again on {self.fixed_in}): {self.avoid}")
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """How a bf16 config accumulates gradients: ``data_types.grad_accum_dtype: fp32`` (``fp32``; with ZeRO-1 it
+    makes DeepSpeed pick its BF16_Optimizer) and ``bf16.immediate_grad_update`` (``immediate_update``)."""
+
+    fp32: bool = False
+    immediate_update: bool = False
+
+    @classmethod
+    def from_config(cls, config: Dict[str, Any]) -> Accumulation:
+        """As a DeepSpeed config (a dict) asks it."""
+        types = config.get("data_types") or {}
+        bf16 = config.get("bf16") or config.get("bfloat16") or {}
+        return cls(isinstance(types, dict) and str(types.get("grad_accum_dtype")).lower() in FP32_NAMES,
+                   isinstance(bf16, dict) and bf16.get("immediate_grad_update") is True)
 
 
 def _within(release: str, first: str, fixed: str) -> bool:
@@ -133,17 +161,32 @@ FAULTS = (
                 "1 in place of 1/G",
                 "upgrade accelerate to 1.13.0 or later, or DeepSpeed to 0.18.3 or later",
                 last_kept=True, calls=(BackwardCall.ACCELERATE,), accelerate=("1.8.0", "1.13.0"), smallest_world=2),
+    WeightFault("bf16-optimizer-last-unaveraged", (1,), False, "bf16", 1, "0.18.5", "0.18.9", "0.19.0", "0.18.2",
+                "with ZeRO-1 in bf16 and an fp32 gradient accumulation (data_types.grad_accum_dtype) adds each "
+                "window's last micro-batch after the average across ranks: in the part of the update each rank "
+                "holds, its own last micro-batch weighs 1/G (N times its share on N ranks) and the other ranks' "
+                "last micro-batches weigh 0; with G=1 no gradient is averaged across ranks",
+                'set "bf16": {"immediate_grad_update": true} in the DeepSpeed config (read only when the engine '
+                "is built), or upgrade DeepSpeed to 0.19.0 or later, or drop data_types.grad_accum_dtype",
+                last_only=True, smallest_world=2, grad_accum_fp32=True, immediate_update_avoids=True),
+    WeightFault("bf16-zero1-fp32-accumulation-divided", (1,), False, "bf16", 1, "0.18.3", "0.18.4", "0.18.5",
+                "0.18.2",
+                "with ZeRO-1 in bf16 and an fp32 gradient accumulation (data_types.grad_accum_dtype) takes ZeRO-0's "
+                "bf16 optimizer, which divides every gradient by 65536: each micro-batch weighs 1/(65536 G)",
+                "upgrade DeepSpeed to 0.19.0 or later, or drop data_types.grad_accum_dtype",
+                grad_accum_fp32=True),
 )
 
 
 def weight_faults(deepspeed: str, stage: int, offload: bool, precision: str, g: int,
                   call: BackwardCall = BackwardCall.ENGINE,
                   through_outputs: Optional[bool] = False, accelerate: Optional[str] = None,
-                  world_size: int = 1) -> List[WeightFault]:
+                  world_size: int = 1, accumulation: Optional[Accumulation] = None) -> List[WeightFault]:
     """The faults that show on this release and configuration, as probed (``through_outputs`` None: those that
     need the loss to be computed from another output tensor are included, to be confirmed at the first forward)."""
     return [fault for fault in FAULTS
-            if fault.shows(deepspeed, stage, offload, precision, g, call, through_outputs, accelerate, world_size)]
+            if fault.shows(deepspeed, stage, offload, precision, g, call, through_outputs, accelerate, world_size,
+                           accumulation)]
 
 
 class SeveralBackwards(str, Enum):

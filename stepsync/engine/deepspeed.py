@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
-from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+from ..core.weights import Accumulation
 
 
 def spread_across_ranks(values: Sequence[int], device: Any = "cpu") -> List[Tuple[int, int]]:
@@ -51,8 +53,8 @@ class EngineFacts:
         gradient_clipping: the clip norm the engine applies (0: none; None if it does not say).
         unchecked_gradients: why the engine applies a gradient that is not finite instead of skipping its update
             (it checks none in this precision), or "" where it checks them.
-        zero_stage, offloads_optimizer, precision, data_parallel_size: what the weight faults of a release depend
-            on (None, False, "fp32", 1 where the engine does not say).
+        zero_stage, offloads_optimizer, precision, data_parallel_size, accumulation: what the weight faults of a
+            release depend on (None, False, "fp32", 1 and the default accumulation where the engine does not say).
         deepspeed: a DeepSpeed engine makes the updates (False: the run's own optimizer,
             :mod:`stepsync.engine.optimizer`).
     """
@@ -69,6 +71,7 @@ class EngineFacts:
     offloads_optimizer: bool = False
     precision: str = "fp32"
     data_parallel_size: int = 1
+    accumulation: Accumulation = field(default_factory=Accumulation)
     deepspeed: bool = True
 
 
@@ -120,7 +123,14 @@ def engine_facts(engine: Any) -> EngineFacts:
                        offloads_optimizer=bool(_asked(engine, "zero_cpu_offload")),
                        precision="bf16" if _asked(engine, "bfloat16_enabled") else
                        "fp16" if _asked(engine, "fp16_enabled") else "fp32",
-                       data_parallel_size=_whole(getattr(engine, "dp_world_size", None)) or 1)
+                       data_parallel_size=_whole(getattr(engine, "dp_world_size", None)) or 1,
+                       accumulation=Accumulation.from_config(_config_dict(engine)))
+
+
+def _config_dict(engine: Any) -> Dict[str, Any]:
+    """The DeepSpeed config the engine was built from, as a dict ({} where it keeps none)."""
+    found = getattr(getattr(engine, "_config", None), "_param_dict", None)
+    return found if isinstance(found, dict) else {}
 
 
 def _unchecked_gradients(engine: Any) -> str:

@@ -217,7 +217,7 @@ def _say_the_weight_faults(run: Run, stack: Any, g: int, call: BackwardCall) -> 
         return
     faults = weight_faults(deepspeed, facts.zero_stage, facts.offloads_optimizer, facts.precision, g, call,
                            through_outputs=None, accelerate=getattr(stack, "accelerate", None),
-                           world_size=facts.data_parallel_size)
+                           world_size=facts.data_parallel_size, accumulation=facts.accumulation)
     for fault in faults:
         if fault.through_outputs:
             continue

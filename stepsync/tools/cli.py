@@ -209,8 +209,9 @@ def run_check(args) -> int:
                      "plugin's config file")
     versions = versions_for({p: getattr(args, p) for p in ("transformers", "accelerate", "deepspeed")}, notes,
                             framework.packages)
+    stated = args.world_size is not None or inputs.world_size_inferred
     faults, certain = weight_faults_of(deepspeed, versions["deepspeed"], inputs.gradient_accumulation_steps,
-                                       framework.backward_call)
+                                       framework.backward_call, inputs.world_size if stated else None)
     notes += faults
     build = op_build_of(deepspeed)
     notes += [build] if build else []

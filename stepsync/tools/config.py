@@ -14,7 +14,7 @@ from ..core.errors import ConfigInputError
 from ..core.frameworks import BackwardCall
 from ..core.record import read_json
 from ..core.versions import NEWEST, assumed_release, installed_version
-from ..core.weights import weight_faults
+from ..core.weights import Accumulation, weight_faults
 
 
 @dataclass(frozen=True)
@@ -237,19 +237,24 @@ def engine_settings(config: Dict[str, Any]) -> Tuple[Optional[int], str, str]:
 
 OUTPUT_CONDITION = ("where the model's loss is computed from another tensor of its output (as in every transformers "
                     "model): ")
+RANKS_CONDITION = "on several data-parallel ranks: "
 
 
 def weight_faults_of(config: Optional[Dict[str, Any]], deepspeed: str, g: int,
-                     call: BackwardCall = BackwardCall.TRAINER) -> Tuple[List[str], bool]:
-    """What the DeepSpeed release does to each micro-batch's weight under ``config`` (its ZeRO stage, offload and
-    precision) with backward called as ``call``, as probed, and whether one of them is certain; nothing without a
-    config. A fault that needs the model's output is named with that condition (no model is run here) and is not
-    certain."""
+                     call: BackwardCall = BackwardCall.TRAINER,
+                     world_size: Optional[int] = None) -> Tuple[List[str], bool]:
+    """What the DeepSpeed release does to each micro-batch's weight under ``config`` (its ZeRO stage, offload,
+    precision and bf16 accumulation) with backward called as ``call`` on ``world_size`` ranks, as probed, and whether
+    one of them is certain; nothing without a config. A fault that needs the model's output, or several ranks where
+    ``world_size`` is not known (None), is named with that condition (no model is run here) and is not certain."""
     if not isinstance(config, dict):
         return [], False
     stage, offload, precision = engine_settings(config)
     if stage is None:
         return [], False
-    faults = weight_faults(deepspeed, stage, offload == "cpu", precision, g, call, through_outputs=None)
-    said = [(OUTPUT_CONDITION if fault.through_outputs else "") + fault.message(deepspeed, g) for fault in faults]
-    return said, any(not fault.through_outputs for fault in faults)
+    faults = weight_faults(deepspeed, stage, offload == "cpu", precision, g, call, through_outputs=None,
+                           world_size=world_size or 2, accumulation=Accumulation.from_config(config))
+    ranks_unknown = [world_size is None and fault.smallest_world > 1 for fault in faults]
+    said = [(OUTPUT_CONDITION if fault.through_outputs else "") + (RANKS_CONDITION if unknown else "")
+            + fault.message(deepspeed, g) for fault, unknown in zip(faults, ranks_unknown)]
+    return said, any(not fault.through_outputs and not unknown for fault, unknown in zip(faults, ranks_unknown))

@@ -5,6 +5,7 @@ said to OUT/rank-R.json."""
 import os
 import sys
 
+from harness.loops import accumulate_one_window
 from harness.runs import dump, end_process_group
 
 G, SCALE = 3, 1e-3
@@ -16,12 +17,9 @@ def loop(policy):
     cpu_distributed_env()
     import deepspeed
     import torch
-    import torch.distributed as dist
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import DeepSpeedPlugin
-
-    import stepsync
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
@@ -39,24 +37,10 @@ def loop(policy):
 
     model = Linear()
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0))
-    rank, error, watch = dist.get_rank(), None, None
-    try:
-        watch = stepsync.watch(accelerator, policy, console=False) if policy else None
-        for k in range(G):
-            x = torch.zeros(2 * G)
-            x[rank * G + k] = 1
-            with accelerator.accumulate(model):
-                accelerator.backward(model(x)["loss"])
-                optimizer.step()
-                optimizer.zero_grad()
-    except Exception as exc:  # asserted on
-        error = type(exc).__name__
-    finally:
-        if watch is not None:
-            watch.close()
+    error, said = accumulate_one_window(accelerator, model, optimizer, policy, G, 2)
     with deepspeed.zero.GatheredParameters([model.module.w]):
         shares = [round(-float(v) / SCALE * 2 * G, 4) for v in model.module.w.detach()]
-    return {"shares": shares, "error": error, "weight_faults": watch.report.weight_faults if watch else None}
+    return {"shares": shares, "error": error, "weight_faults": said}
 
 
 

@@ -245,3 +245,31 @@ def run_window_loop(samples: int, gas: int, epochs: int, stage: int = 2, policy:
         run.watch.close()
     run.shares = [round(value / epochs, 3) for value in moved.tolist()]
     return run
+
+
+def accumulate_one_window(accelerator: Any, model: Any, optimizer: Any, policy: Optional[str], g: int,
+                          world: int) -> tuple:
+    """Rank r trains samples r*g .. r*g+g-1 of a model of one weight per sample, in order, through accumulate(),
+    watched by stepsync under ``policy`` (None: not watched): (the type name of the exception that ended it, or None;
+    what stepsync said of each micro-batch's weight, or None unwatched)."""
+    import torch
+    import torch.distributed as dist
+
+    import stepsync
+
+    rank, error, watch = dist.get_rank(), None, None
+    try:
+        watch = stepsync.watch(accelerator, policy, console=False) if policy else None
+        for k in range(g):
+            x = torch.zeros(world * g)
+            x[rank * g + k] = 1
+            with accelerator.accumulate(model):
+                accelerator.backward(model(x)["loss"])
+                optimizer.step()
+                optimizer.zero_grad()
+    except Exception as exc:  # asserted on
+        error = type(exc).__name__
+    finally:
+        if watch is not None:
+            watch.close()
+    return error, watch.report.weight_faults if watch else None

@@ -102,6 +102,9 @@ STACKS = (
               (Case(3, 2, 2), Case(7, 3, 2))),
     StackSpec("d183", "5.24.0", "1.16.0", "0.18.3", "2026-11-30", "DeepSpeed 0.18.3 divides the Trainer's loss twice",
               (Case(3, 2, 2), Case(7, 3, 2))),
+    StackSpec("d189", "5.24.0", "1.16.0", "0.18.9", "2026-11-30",
+              "DeepSpeed 0.18.9's bf16 optimizer leaves each window's last micro-batch out of the average across ranks",
+              (Case(3, 2, 2), Case(7, 3, 2))),
     StackSpec("a18", "4.57.6", "1.8.0", "0.18.2", "2026-01-31", "accelerate 1.8's no_sync on DeepSpeed 0.18.2",
               (Case(3, 2, 2), Case(7, 3, 2))),
 )
@@ -152,6 +155,9 @@ TESTS = {
     # DeepSpeed 0.18.3 divides the Trainer's loss again: the fault, its forecast and its repair by sync.
     "d183": ("tests/integration/test_support.py", "tests/integration/test_output_hooks.py",
              "tests/integration/test_verify.py"),
+    # DeepSpeed 0.18.9's BF16_Optimizer (ZeRO-1, an fp32 gradient accumulation) adds each window's last micro-batch
+    # after the average across ranks: the fault on two ranks, its forecast, and the ranks' weights parting.
+    "d189": ("tests/integration/test_support.py", "tests/multiprocess/test_bf16_optimizer_on_two_ranks.py"),
     # accelerate 1.8 enters DeepSpeed 0.18.2's no_sync(): micro-batches left undivided on several ranks.
     "a18": ("tests/integration/test_support.py", "tests/multiprocess/test_no_sync_on_two_ranks.py",
             "tests/integration/test_deepspeed_loop_releases.py"),

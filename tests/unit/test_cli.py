@@ -112,6 +112,31 @@ def test_check_names_the_micro_batches_a_release_drops_under_zero2_with_offload(
         assert f"micro-batch(es) {list(range(2, g))} of every window of {g}" in said[0] and "0.19.0" in said[0]
 
 
+@pytest.mark.parametrize("deepspeed, world, immediate, said, code", [
+    ("0.18.9", None, False, "on several data-parallel ranks: DeepSpeed 0.18.9", 0),  # the ranks are not known
+    ("0.18.9", "2", False, "- DeepSpeed 0.18.9", 1),
+    ("0.18.5", "4", False, "- DeepSpeed 0.18.5", 1),
+    ("0.18.9", "1", False, None, 0),  # one rank: nothing to average
+    ("0.18.9", "2", True, None, 0),  # bf16.immediate_grad_update avoids it
+    ("0.19.0", "2", False, None, 0),
+])
+def test_check_names_the_bf16_optimizer_leaving_the_last_micro_batch_out_of_the_average(tmp_path, deepspeed, world,
+                                                                                       immediate, said, code):
+    config = {"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 4,
+              "train_micro_batch_size_per_gpu": 1, "data_types": {"grad_accum_dtype": "fp32"},
+              "bf16": {"enabled": True, **({"immediate_grad_update": True} if immediate else {})}}
+    ds = write(tmp_path, "ds.json", json.dumps(config))
+    proc = stepsync("check", "--samples", "64", "--epochs", "1", "--deepspeed-config", ds, "--transformers", "5.24.0",
+                    "--accelerate", "1.16.0", "--deepspeed", deepspeed, *(["--world-size", world] if world else []))
+    text = " ".join(proc.stdout.split())
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    if said is None:
+        assert "after the average across ranks" not in text
+    else:
+        assert said + " with ZeRO-1 in bf16 and an fp32 gradient accumulation" in text
+        assert "micro-batch(es) [4] of every window of 4" in text and '"immediate_grad_update": true' in text
+
+
 @pytest.mark.parametrize("deepspeed, framework, said", [
     ("0.18.3", "trainer", ["the Trainer's loss, already divided by G, by G again",
                            "where the model's loss is computed from another tensor"]),

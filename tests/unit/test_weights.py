@@ -4,7 +4,7 @@ nothing where a probe found the update right."""
 import pytest
 from hypothesis import given, strategies as st
 
-from stepsync.core.weights import FAULTS, probes, weight_faults
+from stepsync.core.weights import FAULTS, Accumulation, probes, weight_faults
 
 ROWS = [row for row in probes() if "cannot_run" not in row]
 
@@ -12,7 +12,8 @@ ROWS = [row for row in probes() if "cannot_run" not in row]
 def setting(row):
     """A probe's configuration, as weight_faults() takes it after the DeepSpeed release."""
     return (row["stage"], row["offload"] != "none", row["precision"], row["g"], row.get("call", "engine"),
-            row.get("outputs", "loss") == "loss+logits", row.get("accelerate"), row.get("world_size", 1))
+            row.get("outputs", "loss") == "loss+logits", row.get("accelerate"), row.get("world_size", 1),
+            Accumulation(row.get("grad_accum_dtype") == "fp32", row.get("immediate_grad_update", False)))
 
 
 def predicted(row):
@@ -58,7 +59,9 @@ def test_the_wrong_micro_batches_of_a_window_against_a_brute_force_window(g):
                 "zero2-keeps-the-last": lambda k: k == g,
                 "bf16-zero0-divided": lambda k: False, "trainer-loss-divided-again": lambda k: False,
                 "outputs-divided-again": lambda k: False, "trainer-outputs-divided-again": lambda k: False,
-                "accelerate-no-sync-undivided": lambda k: k == g}[fault.name]
+                "accelerate-no-sync-undivided": lambda k: k == g,
+                "bf16-optimizer-last-unaveraged": lambda k: k < g,
+                "bf16-zero1-fp32-accumulation-divided": lambda k: False}[fault.name]
         assert fault.wrong_micro_batches(g) == [k for k in range(1, g + 1) if not kept(k)]
 
 
@@ -114,3 +117,34 @@ def test_several_backwards_per_step_by_release_is_what_the_probes_measured():
         assert several_backwards(row["deepspeed"]) is found, row
         checked.add(row["deepspeed"])
     assert len(checked) >= 11 and {"0.17.5", "0.17.6", "0.18.2", "0.18.3"} <= checked
+
+
+def test_the_bf16_optimizer_faults_need_zero1_in_bf16_with_an_fp32_accumulation():
+    fp32, immediate = Accumulation(fp32=True), Accumulation(fp32=True, immediate_update=True)
+
+    def names(deepspeed, world=2, accumulation=fp32, stage=1, offload=False, precision="bf16", g=4, call="trainer"):
+        return [f.name for f in weight_faults(deepspeed, stage, offload, precision, g, call, False, "1.16.0", world,
+                                              accumulation)]
+
+    assert names("0.18.5") == names("0.18.9", 8) == names("0.18.7", g=1) == ["bf16-optimizer-last-unaveraged"]
+    assert names("0.18.9", world=1) == names("0.18.9", accumulation=immediate) == names("0.19.0") == []
+    assert names("0.18.9", accumulation=Accumulation()) == names("0.18.9", stage=2) == []
+    assert names("0.18.9", offload=True) == names("0.18.9", precision="fp32") == []  # DeepSpeed's ZeRO optimizer
+    assert names("0.18.3", world=1, call="engine") == names("0.18.4", accumulation=immediate) == [
+        "bf16-zero1-fp32-accumulation-divided"]
+    assert names("0.18.2") == names("0.18.4", accumulation=Accumulation()) == []
+    fault = weight_faults("0.18.9", 1, False, "bf16", 4, world_size=2, accumulation=fp32)[0]
+    assert fault.wrong_micro_batches(4) == [4] and fault.wrong_micro_batches(1) == [1] and not fault.repairable
+
+
+@pytest.mark.parametrize("config, found", [
+    ({"data_types": {"grad_accum_dtype": "fp32"}}, Accumulation(True, False)),
+    ({"data_types": {"grad_accum_dtype": "torch.float32"}, "bf16": {"immediate_grad_update": True}},
+     Accumulation(True, True)),
+    ({"data_types": {"grad_accum_dtype": "bf16"}, "bfloat16": {"immediate_grad_update": True}},
+     Accumulation(False, True)),
+    ({"data_types": "fp32", "bf16": {"immediate_grad_update": "true"}}, Accumulation()),  # not what DeepSpeed reads
+    ({}, Accumulation()),
+])
+def test_the_accumulation_as_a_deepspeed_config_asks_it(config, found):
+    assert Accumulation.from_config(config) == found
