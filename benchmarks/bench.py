@@ -344,6 +344,36 @@ def measure_token_reading(repeats: int):
     return rows
 
 
+def measure_fingerprints(repeats: int):
+    """(h): ``stepsync.engine.deepspeed.WeightFingerprint`` (the sum and the norm of a rank's weights, read at train
+    begin, epoch ends, checkpoints and the end on several ranks), its local part, median us per comparison: the tiny
+    GPT-2's parameters, and 10^7 weights in one flat buffer in fp32 and in bf16 as DeepSpeed keeps them. The
+    all-reduce of its four numbers that follows is one small collective per comparison."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from stepsync.engine.deepspeed import WeightFingerprint
+    from stepsync.tools.tiny_run import tiny_model
+
+    def median_us(fingerprint) -> float:
+        fingerprint.ranks_agree()
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter_ns()
+            fingerprint.ranks_agree()
+            samples.append(time.perf_counter_ns() - start)
+        return statistics.median(samples) / 1000
+
+    rows = [("tiny GPT-2 parameters", median_us(WeightFingerprint(SimpleNamespace(module=tiny_model()))))]
+    for dtype in (torch.float32, torch.bfloat16):
+        flat = torch.randn(10 ** 7).to(dtype)
+        engine = SimpleNamespace(optimizer=SimpleNamespace(bit16_groups_flat=[flat]))
+        name = str(dtype).split(".")[-1]
+        rows.append((f"10^7 weights, one flat {name} buffer", median_us(WeightFingerprint(engine))))
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=400, help="micro-batches per run (default 400)")
@@ -454,6 +484,20 @@ def main(argv=None) -> int:
         print(f"{shape:<38} {step_us:>20.1f} {read_us:>9.1f} {read_us / step_us:>10.3f} {share:>7.4f} {enough:>10}")
         if shape.startswith("tiny") and share < GOALS["throughput_ratio"]:
             failures.append(f"token reading on {shape}: share {share:.4f} < {GOALS['throughput_ratio']}")
+
+    comparisons = 3  # train begin, the epoch's end, the end: a one-epoch run of args.samples micro-batches
+    tiny_step_us = measure_token_reading(20)[0][1]
+    print(f"\n(h) the ranks' weights compared (stepsync.engine.deepspeed.WeightFingerprint), its local part per "
+          f"comparison, median us; 'share': of a one-epoch {args.samples}-micro-batch run of the tiny GPT-2, which "
+          f"compares {comparisons} times (train begin, the epoch's end, the end; and at each checkpoint)")
+    for shape, call_us in measure_fingerprints(20):
+        line = f"{shape:<40} {call_us:>12.1f} us"
+        if shape.startswith("tiny"):
+            share = 1 - comparisons * call_us / (args.samples * tiny_step_us)
+            line += f"   share {share:.5f}"
+            if share < GOALS["throughput_ratio"]:
+                failures.append(f"rank comparison share {share:.4f} < {GOALS['throughput_ratio']}")
+        print(line)
 
     print("\ngoals: " + ("all met" if not failures else "MISSED: " + "; ".join(failures)))
     return 1 if failures else 0

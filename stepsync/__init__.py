@@ -15,6 +15,7 @@ _PUBLIC = {
     "StepSyncError": "core.errors", "StepDriftError": "core.errors", "StepSyncConfigError": "core.errors",
     "UpdateSkippedError": "core.errors", "SkippedUpdate": "core.events",
     "NonFiniteUpdateError": "core.errors", "NonFiniteUpdate": "core.events", "UnsafeCheckpointError": "core.errors",
+    "RanksApartError": "core.errors", "RanksApart": "core.events",
     "LossNormalisationError": "core.errors", "Normalisation": "core.tokens", "TokenWeighting": "core.tokens",
     "SyncReport": "core.report",
     "Stack": "core.versions", "behaviour_of": "core.versions",

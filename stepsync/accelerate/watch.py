@@ -279,6 +279,7 @@ class LoopWatch(LoopAdapter):
     @guarded(steering=False)
     def _after_save(self, run: Run, folder: str) -> None:
         self._checkpoints.after_save(run, folder, self.loop_steps, self._since_loop_update)
+        run.saved_checkpoint()
 
     @guarded(steering=False)
     def _after_load(self, run: Run, folder: Optional[str]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .events import DriftEvent, LostGradients, NonFiniteUpdate, SkippedUpdate
+    from .events import DriftEvent, LostGradients, NonFiniteUpdate, RanksApart, SkippedUpdate
 
 
 class StepSyncError(Exception):
@@ -38,6 +38,16 @@ class NonFiniteUpdateError(StepSyncError, FloatingPointError):
         self.update = update
         super().__init__(f"{update}; policy 'raise' stops before another update: find the micro-batch whose loss "
                          "is not finite")
+
+
+class RanksApartError(StepSyncError, RuntimeError):
+    """Raised by policy ``'raise'`` on every rank together where the ranks' copies of the weights are found to differ;
+    carries the :class:`RanksApart`."""
+
+    def __init__(self, apart: RanksApart) -> None:
+        self.apart = apart
+        super().__init__(f"{apart}; policy 'raise' stops every rank here: resume from a checkpoint saved before "
+                         "they parted")
 
 
 class GradientsLostError(StepSyncError, RuntimeError):

@@ -150,6 +150,35 @@ class NonFiniteUpdate:
 
 
 @dataclass(frozen=True)
+class RanksApart:
+    """The ranks' copies of the weights no longer agree: a fault on one rank (a gradient left out of the average
+    across ranks, a weight restored or written on one rank only, a hardware error) trains each rank apart. Found by
+    comparing a fingerprint of every rank's copy at train begin, epoch ends, checkpoints and the end.
+
+    Attributes:
+        epoch: 1-based epoch.
+        micro_batch: the micro-batch of that epoch at which it was found.
+        engine_steps: the engine's count when it was found: the copies parted at or before this update.
+        agreed_at: the engine's count at the last comparison where they agreed (None: none did on this run).
+        where: the comparison that found it ("train begin", "epoch end", "checkpoint", "the end").
+        ranks: the ranks compared.
+    """
+
+    epoch: int
+    micro_batch: int
+    engine_steps: int
+    agreed_at: Optional[int]
+    where: str
+    ranks: int
+
+    def __str__(self) -> str:
+        since = (f"they agreed after update {self.agreed_at}" if self.agreed_at is not None else
+                 "no comparison on this run found them agreeing")
+        return (f"the {self.ranks} ranks' copies of the weights differ at update {self.engine_steps} (found at the "
+                f"{self.where}, epoch {self.epoch}, micro-batch {self.micro_batch}; {since})")
+
+
+@dataclass(frozen=True)
 class LostGradients:
     """An update the engine applied without some of the micro-batches of the window the loop closed: on ZeRO 1
     and 2 every backward() at an accumulation boundary replaces the gradients reduced before it, so a loop that

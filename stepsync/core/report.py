@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional
 
 from .choices import Policy
-from .events import Counted, DriftEvent, LostGradients, NonFiniteUpdate, SkippedUpdate
+from .events import Counted, DriftEvent, LostGradients, NonFiniteUpdate, RanksApart, SkippedUpdate
 from .frameworks import TRAINER, Framework
 from .prediction import Forecast
 from .record import ResumeRecord
@@ -88,6 +88,8 @@ class SyncReport(Counted):
             probed (:mod:`stepsync.core.weights`), said before the first micro-batch.
         non_finite: where the weights were first found not finite after an update the engine applied
             (:class:`NonFiniteUpdate`); None while they are finite or where the engine checks its gradients.
+        ranks_apart: where the ranks' copies of the weights were first found to differ (:class:`RanksApart`); None
+            while they agree, on one rank, or where no rank holds a whole copy (ZeRO-3).
         lost_gradients: each update the engine applied without some of the micro-batches the loop gave it
             (:class:`LostGradients`: several backward() calls per step() on ZeRO 1 and 2).
         token_weighting: how the loss weighed each trained token in the first window whose micro-batches hold
@@ -121,6 +123,7 @@ class SyncReport(Counted):
     engine_skipped: int = 0
     skipped_updates: List[SkippedUpdate] = field(default_factory=list)
     non_finite: Optional[NonFiniteUpdate] = None
+    ranks_apart: Optional[RanksApart] = None
     weight_faults: List[str] = field(default_factory=list)
     lost_gradients: List[LostGradients] = field(default_factory=list)
     token_weighting: Optional[TokenWeighting] = None
@@ -158,6 +161,8 @@ class SyncReport(Counted):
         lines += [f"skipped {skip}" for skip in self._first_and_last_skips()]
         if self.non_finite is not None:
             lines.append(f"not finite: {self.non_finite}; the updates after it trained nothing")
+        if self.ranks_apart is not None:
+            lines.append(f"ranks apart: {self.ranks_apart}")
         if self.epochs:
             lines.append(f"trained: {len(self.epochs)} epoch(s), {self.micro_batches} micro-batch(es)")
         if self.lost_gradients:

@@ -294,6 +294,7 @@ class EngineWatch(LoopAdapter):
     @guarded(steering=False)
     def _after_save(self, run: Run, folder: str) -> None:
         self._checkpoints.after_save(run, folder, self._since_loop_update)
+        run.saved_checkpoint()
 
     @guarded(steering=False)
     def _after_load(self, run: Run, folder: Optional[str]) -> None:

@@ -124,6 +124,8 @@ def summary_view(report: SyncReport) -> Panel:
     if report.lost_gradients:
         lines.append(f"\n{report.lost_micro_batches} micro-batch(es) your loop gave the engine's updates trained "
                      f"nothing: first {report.lost_gradients[0]}", style="bold red")
+    if report.ranks_apart is not None:
+        lines.append(f"\n{report.ranks_apart}", style="bold red")
     shift = report.resume_shift
     if shift is not None and not shift.exact:
         lines.append(f"\nresumed on another layout: {shift.message()}", style="bold red")
@@ -144,7 +146,7 @@ def summary_view(report: SyncReport) -> Panel:
     if report.events:
         parts.append(events_table(report.events, report.framework.who))
     weighed = report.token_weighting
-    troubled = (report.drift or report.update_flaws or lost or report.lost_gradients
+    troubled = (report.drift or report.update_flaws or lost or report.lost_gradients or report.ranks_apart
                 or (shift is not None and not shift.exact) or (weighed is not None and not weighed.as_expected))
     return Panel(Group(*parts), title="stepsync summary", border_style="red" if troubled else "green")
 

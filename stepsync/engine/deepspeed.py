@@ -171,6 +171,55 @@ def loss_scale(engine: Any) -> Optional[LossScale]:
 _FLAT_WEIGHTS = (("bit16_groups_flat", False), ("bf16_groups_flat", False), ("fp16_partitioned_groups_flat", True))
 
 
+def held_weights(engine: Any) -> Tuple[List[Any], bool, bool]:
+    """(the tensors that hold this rank's weights, whether they are DeepSpeed's few flat buffers, whether each rank
+    holds only its part: ZeRO-3) as the engine keeps them; its module's parameters where it keeps no flat buffer."""
+    optimizer = getattr(engine, "optimizer", None)
+    for name, partitioned in _FLAT_WEIGHTS:
+        flat = getattr(optimizer, name, None)
+        if isinstance(flat, list) and flat:  # a rank's ZeRO-3 partition may be empty: it still all-reduces
+            return [t for t in flat if t is not None and t.numel()], True, partitioned
+    module = getattr(engine, "module", None)
+    partitioned = any(hasattr(p, "ds_tensor") for p in module.parameters()) if module is not None else False
+    return (list(module.parameters()) if module is not None else []), False, partitioned
+
+
+class WeightFingerprint:
+    """Two numbers that tell one rank's copy of the weights from another's (their sum and their norm, in fp32),
+    compared across ranks through one all-reduce; read at train begin, epoch ends, checkpoints and the end, never per
+    micro-batch. Where ZeRO-3 partitions the weights no rank holds a replica of another's, and nothing is compared.
+
+    Attributes:
+        replicated: every rank holds a whole copy (ZeRO 0 - 2 and DeepSpeed's bf16 optimizer): worth comparing.
+    """
+
+    __slots__ = ("tensors", "replicated", "device")
+
+    def __init__(self, engine: Any) -> None:
+        self.device = getattr(engine, "device", "cpu")
+        self.tensors, _, partitioned = held_weights(engine)
+        self.replicated = not partitioned
+
+    def ranks_agree(self) -> bool:
+        """Whether every rank's copy gives the same fingerprint (a collective: every rank calls it together)."""
+        import torch
+        import torch.distributed as dist
+
+        total = norm = 0.0
+        with torch.no_grad():
+            for tensor in self.tensors:
+                total += float(tensor.sum(dtype=torch.float32))
+                norm += float(torch.linalg.vector_norm(tensor, dtype=torch.float32)) ** 2
+        # the same number on every rank for weights that are not finite, which all ranks then share
+        found = [v if math.isfinite(v) else -1.0 for v in (total, norm)]
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return True
+        both = torch.tensor(found + [-v for v in found], dtype=torch.float64, device=self.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        highest, lowest = both.tolist()[:2], [-v for v in both.tolist()[2:]]
+        return highest == lowest
+
+
 class FiniteWeights:
     """Whether the engine's weights are all finite. A sum is finite only when every element is, so it takes one
     sum per flat buffer where DeepSpeed keeps the weights in a few (cheap enough for every update), else one per
@@ -185,18 +234,9 @@ class FiniteWeights:
     __slots__ = ("tensors", "each_update", "partitioned", "device", "detach")
 
     def __init__(self, engine: Any) -> None:
-        optimizer = getattr(engine, "optimizer", None)
         self.device = getattr(engine, "device", "cpu")
-        for name, partitioned in _FLAT_WEIGHTS:
-            flat = getattr(optimizer, name, None)
-            if isinstance(flat, list) and flat:  # a rank's ZeRO-3 partition may be empty: it still all-reduces
-                self.tensors = [t for t in flat if t is not None and t.numel()]
-                self.each_update, self.partitioned = True, partitioned
-                self.detach = any(getattr(t, "requires_grad", True) for t in self.tensors)
-                return
-        module = getattr(engine, "module", None)
-        self.tensors = list(module.parameters()) if module is not None else []
-        self.each_update, self.partitioned, self.detach = False, False, True
+        self.tensors, self.each_update, self.partitioned = held_weights(engine)
+        self.detach = not self.each_update or any(getattr(t, "requires_grad", True) for t in self.tensors)
 
     def finite(self) -> bool:
         total = 0.0

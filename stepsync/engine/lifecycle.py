@@ -187,6 +187,7 @@ def start_training(run: Run, start: RunStart, resumed: bool = False, forecast_no
     if start.record is not None:
         continue_from(run, start.record)
     run.check(start.trainer_steps, "train_begin", start.inherited_remedy)
+    run.updates.compare_ranks(run, "train begin")
 
 
 def make_forecast(run: Run, start: RunStart) -> None:

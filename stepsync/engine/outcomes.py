@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
-from ..core.events import LostGradients, NonFiniteUpdate, SkippedUpdate
+from ..core.events import LostGradients, NonFiniteUpdate, RanksApart, SkippedUpdate
 from ..core.frameworks import NON_FINITE_METRIC, SKIPPED_METRIC
-from .deepspeed import EngineFacts, FiniteWeights, loss_scale
+from .deepspeed import EngineFacts, FiniteWeights, WeightFingerprint, loss_scale
 from .messages import Voice
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -31,7 +31,8 @@ class Updates:
     first update after which the weights were not finite. Part of a :class:`~stepsync.engine.run.Run`, which hands
     itself in for where it stands and whose policy hears of each."""
 
-    __slots__ = ("engine", "facts", "report", "voice", "skipped_seen", "weights", "weights_each_update")
+    __slots__ = ("engine", "facts", "report", "voice", "skipped_seen", "weights", "weights_each_update",
+                 "fingerprint", "ranks_agreed_at")
 
     def __init__(self, engine: Any, facts: EngineFacts, report: SyncReport, voice: Voice) -> None:
         self.engine, self.facts, self.report, self.voice = engine, facts, report, voice
@@ -39,6 +40,30 @@ class Updates:
         # An engine that applies non-finite gradients: its weights are read after every update, or at epoch ends.
         self.weights: Optional[FiniteWeights] = FiniteWeights(engine) if facts.unchecked_gradients else None
         self.weights_each_update = self.weights is not None and self.weights.each_update
+        # Several ranks each holding a whole copy of the weights: the copies are compared where every rank stops.
+        fingerprint = WeightFingerprint(engine) if facts.deepspeed and facts.data_parallel_size > 1 else None
+        self.fingerprint = fingerprint if fingerprint is not None and fingerprint.replicated else None
+        self.ranks_agreed_at: Optional[int] = None
+
+    def compare_ranks(self, run: Run, where: str) -> None:
+        """Every rank's copy of the weights against the others' (one all-reduce, every rank together); the first
+        difference is kept, said and given to the policy (every rank sees it: policy 'raise' stops them together),
+        and nothing is compared after it."""
+        if self.fingerprint is None:
+            return
+        if self.fingerprint.ranks_agree():
+            self.ranks_agreed_at = self.engine.global_steps
+            return
+        self.fingerprint = None
+        apart = RanksApart(max(run.epoch, 0) + 1, run.position, self.engine.global_steps, self.ranks_agreed_at, where,
+                           self.facts.data_parallel_size)
+        self.report.ranks_apart = apart
+        if run.observing:
+            run.observe(self.voice.warn, f"{apart}: a fault on one rank (a gradient left out of the average across "
+                                         "ranks, weights restored or written on one rank only, a hardware error) "
+                                         "trains each rank apart from here; resume from a checkpoint saved before "
+                                         "they parted (policy 'raise' stops every rank where it is found)")
+        run.action.on_ranks_apart(apart)
 
     def took_a_skip(self, run: Run) -> None:
         """The engine counted an update it did not apply (its ``skipped_steps`` rose): the report keeps where, the

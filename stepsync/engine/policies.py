@@ -12,11 +12,12 @@ from ..core.choices import Policy
 from ..core.errors import (
     GradientsLostError,
     NonFiniteUpdateError,
+    RanksApartError,
     StepDriftError,
     StepSyncConfigError,
     UpdateSkippedError,
 )
-from ..core.events import Cause, DriftEvent, LostGradients, NonFiniteUpdate, SkippedUpdate
+from ..core.events import Cause, DriftEvent, LostGradients, NonFiniteUpdate, RanksApart, SkippedUpdate
 from ..core.forecast import forecast
 from ..core.versions import EngineBoundary
 from .deepspeed import BoundaryOverride
@@ -63,6 +64,10 @@ class RaiseAction(PolicyAction):
     def on_lost_gradients(self, lost: LostGradients) -> None:
         # Every rank counts the same backward() calls and reads the same boundary: every rank raises here.
         raise GradientsLostError(lost)
+
+    def on_ranks_apart(self, apart: RanksApart) -> None:
+        # Every rank took part in the comparison and read its one answer: every rank raises here.
+        raise RanksApartError(apart)
 
 
 class RealignAction(PolicyAction):

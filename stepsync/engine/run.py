@@ -178,6 +178,7 @@ class Run:
         if self.counts_skips and self.engine.skipped_steps != self.updates.skipped_seen:
             self.updates.took_a_skip(self)
         self.updates.check_weights_now(self)
+        self.updates.compare_ranks(self, "epoch end")
         steering = self._took(self.action.at_epoch_end(self, trainer_steps))
         if steering is not None and steering.trainer_steps is not None:
             trainer_steps = self._adopted(steering.trainer_steps)
@@ -196,13 +197,19 @@ class Run:
         if not self.facts.deepspeed:
             self.engine.stop_counting()
         self.updates.check_weights_now(self)
-        if not self.observing:
-            return False
-        self.report.trainer_steps = trainer_steps
-        self.report.engine_steps = self.engine_steps_seen
-        self.report.engine_skipped = self.updates.skipped_seen
-        self.report.unapplied_micro_batches = self.since_engine_update
-        return self.engine.global_steps != self.engine_steps_seen
+        loaded = self.engine.global_steps != self.engine_steps_seen
+        if self.observing:
+            self.report.trainer_steps = trainer_steps
+            self.report.engine_steps = self.engine_steps_seen
+            self.report.engine_skipped = self.updates.skipped_seen
+            self.report.unapplied_micro_batches = self.since_engine_update
+        self.updates.compare_ranks(self, "the end")
+        return loaded and self.observing
+
+    def saved_checkpoint(self) -> None:
+        """Every rank saved a checkpoint: their copies of the weights are compared, so that a checkpoint saved after
+        they parted is known."""
+        self.updates.compare_ranks(self, "checkpoint")
 
     def next_position(self) -> tuple:
         """(0-based epoch, micro-batches done in it) of the next micro-batch the run will train."""

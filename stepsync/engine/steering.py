@@ -11,7 +11,7 @@ from enum import IntEnum
 from typing import Any, Optional, Protocol
 
 from ..core.choices import Policy
-from ..core.events import Cause, DriftEvent, LostGradients, NonFiniteUpdate, SkippedUpdate
+from ..core.events import Cause, DriftEvent, LostGradients, NonFiniteUpdate, RanksApart, SkippedUpdate
 from ..core.plan import RunPlan
 from ..core.report import SyncReport
 from ..core.versions import StackBehaviour
@@ -124,6 +124,9 @@ class PolicyAction:
 
     def on_lost_gradients(self, lost: LostGradients) -> None:
         """Before an update that would leave out micro-batches the loop gave it."""
+
+    def on_ranks_apart(self, apart: RanksApart) -> None:
+        """When the ranks' copies of the weights are found to differ."""
 
     def end(self, run: RunView) -> None:
         """At the end of training or when stepsync switches itself off: leave the engine as it was."""

@@ -161,13 +161,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="One real window through an engine built from your config: each micro-batch's weight in "
                     "the update, a non-finite loss, the clip in force. Exit 0: every weight is 1/G; 1: one is "
                     "not; 2: a config it cannot run.",
-        epilog="example: stepsync verify --deepspeed-config ds_config.json --gas 4 --json",
+        epilog="example: stepsync verify --deepspeed-config ds_config.json --gas 4 --json\n"
+               "example: stepsync verify --deepspeed-config ds_config.json --gas 4 --world-size 2",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     verify.add_argument("--deepspeed-config", "--deepspeed", dest="deepspeed", metavar="FILE", required=True,
                         help="your DeepSpeed JSON config (check's flag name; --deepspeed works too)")
     verify.add_argument("--gas", type=positive_int, required=True, help="gradient_accumulation_steps")
     verify.add_argument("--framework", choices=tuple(FRAMEWORK_CALLS), default="deepspeed",
                         help="call backward as this framework does (default: a plain DeepSpeed loop)")
+    verify.add_argument("--world-size", type=positive_int, default=1,
+                        help="measure on this many local processes (gloo): what only several ranks show")
+    verify.add_argument("--verbose", action="store_true", help="show DeepSpeed's own output (on stderr)")
     verify.add_argument("--json", action="store_true", help="print one JSON object")
     demo = commands.add_parser(
         "demo", help="a real Trainer + DeepSpeed run on CPU, live",
@@ -295,13 +299,13 @@ def run_inspect(args) -> int:
 
 def run_verify(args) -> int:
     config = deepspeed_config_from(read_json(args.deepspeed, "--deepspeed-config"), args.deepspeed)
-    measuring_config(config, args.gas)  # what it refuses is said before anything else
+    measuring_config(config, args.gas, args.world_size)  # what it refuses is said before anything else
     missing = [p for p in ("torch", "deepspeed") if installed_version(p) is None]
     if missing:
         print(f"stepsync: error: stepsync verify runs DeepSpeed: it needs {', '.join(missing)}: {INSTALL_TRAINING}",
               file=sys.stderr)
         return EXIT_BAD_INPUT
-    code = verify_command(config, args.gas, args.json, args.framework)
+    code = verify_command(config, args.gas, args.json, args.framework, args.world_size, args.verbose)
     end_after_a_process_group(code)
     return code
 

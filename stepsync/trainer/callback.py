@@ -230,6 +230,7 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
     def on_save(self, run: Run, args, state, control, **kwargs):
         if getattr(args, "should_save", state.is_world_process_zero):
             trainer_facts.save_the_record(run, args, state, STORED_BY_TRAINER, self.policy.stops)
+        run.saved_checkpoint()
 
     def state(self) -> dict:
         """``ExportableState`` (transformers >= 4.41): the record the Trainer saves in ``trainer_state.json``."""

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from packaging.version import Version
 
 from harness.nonfinite import deepspeed_skips
 from harness.stack import needs_stack
@@ -110,6 +111,43 @@ def test_the_verdict_in_words_and_the_clip_in_force(tmp_path):
 def test_a_config_it_cannot_run_exits_2_with_why(tmp_path, config, why):
     done = verify(tmp_path, config, 2)
     assert done.returncode == 2 and why in done.stderr and "Traceback" not in done.stderr
+
+
+def test_on_two_ranks_each_ranks_window_is_measured_against_the_run_without_deepspeed(tmp_path):
+    """--world-size 2: rank r trains samples r*G .. r*G+G-1; each sample's share (times the ranks) against the same
+    window of both ranks' samples in plain torch, the loss averaged over the window and the ranks."""
+    from stepsync.core.weights import weight_faults
+
+    g = 3
+    done = verify(tmp_path, {"zero_optimization": {"stage": 1}}, g, "--world-size", "2", "--json")
+    if Version("0.18.7") <= Version(deepspeed()) < Version("0.19.0"):  # all_gather_into_tensor over gloo, as probed
+        assert done.returncode == 2 and "Output 0 of Split is a view" in done.stderr
+        assert "upgrade DeepSpeed to 0.19.0 or later" in done.stderr and "Traceback" not in done.stderr
+        return
+    verdict = json.loads(done.stdout)
+    truth = [share * 2 for share in without_deepspeed(2 * g)]  # plain torch averages over 2G: times the ranks
+    assert verdict["world_size"] == 2 and len(verdict["weights"]) == 2 * g
+    assert verdict["weights"] == pytest.approx(truth, rel=1e-4)
+    assert verdict["non_finite"] in ("skipped", "applied", "moved on", "stopped")
+    assert "2 local processes (gloo)" in " ".join(verdict["notes"])
+    assert done.returncode == (0 if verdict["right"] else 1)
+    assert verdict["right"] == (not weight_faults(deepspeed(), 1, False, "fp32", g, "engine", None, world_size=2))
+
+
+def test_deepspeeds_own_output_never_reaches_the_verdict_unless_asked(tmp_path):
+    """DeepSpeed prints its logs and memory reports (to stdout): verify's output is its verdict alone; --verbose
+    shows DeepSpeed's, on stderr."""
+    config = {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}
+    for flags in ((), ("--world-size", "2")):
+        quiet = verify(tmp_path, config, 2, "--json", *flags)
+        assert quiet.returncode in (0, 1, 2), quiet.stderr
+        assert "[INFO]" not in quiet.stdout + quiet.stderr and "[WARNING]" not in quiet.stdout + quiet.stderr
+        if quiet.returncode != 2:
+            assert len(quiet.stdout.splitlines()) == 1 and json.loads(quiet.stdout)["g"] == 2
+            assert quiet.stderr == ""
+    loud = verify(tmp_path, config, 2, "--verbose")
+    assert "DeepSpeed" in loud.stdout.splitlines()[0] or loud.returncode == 2
+    assert "[INFO]" in loud.stderr or "[WARNING]" in loud.stderr
 
 
 def test_a_missing_file_exits_2(tmp_path):

@@ -96,3 +96,28 @@ def test_immediate_grad_update_trains_right_and_nothing_is_said(ranks, run):
             continue
         assert avoided["error"] is None and avoided["weight_faults"] == []
         assert all(abs(share - 1) < 2e-2 for share in avoided["shares"]), avoided["shares"]
+
+
+def test_verify_on_two_ranks_measures_what_the_runs_trained(ranks, tmp_path):
+    """`stepsync verify --world-size 2` on the runs' DeepSpeed config: each rank's micro-batch shares equal the
+    accelerate loop's (rank r trains samples r*G .. r*G+G-1 in both), and the exit code says whether they are right."""
+    import json
+    import subprocess
+    import sys
+
+    config = {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    done = subprocess.run([sys.executable, "-m", "stepsync", "verify", "--deepspeed", str(path), "--gas", str(G),
+                           "--world-size", str(WORLD), "--json"], capture_output=True, text=True, timeout=300)
+    verdict = json.loads(done.stdout)
+    assert verdict["world_size"] == WORLD and done.stderr == ""
+    if refused(ranks, "loop"):  # the loop never trained: the truth is the Trainer's, read per sample
+        truth = ranks[0]["trainer-fp32-None"]["shares"]
+        assert verdict["wrong_micro_batches"] == ([G] if faulty() else [])
+        assert sorted(round(w * G, 1) for w in verdict["weights"]) == sorted(round(s, 1) for s in truth)
+    else:
+        truth = ranks[0]["loop-fp32-None"]["shares"]
+        assert [w * G for w in verdict["weights"]] == pytest.approx(truth, abs=2e-2)
+    assert verdict["wrong_micro_batches"] == ([G] if faulty() else [])
+    assert (done.returncode == 1) == (faulty() or not verdict["right"])

@@ -482,3 +482,18 @@ def test_sync_never_turns_the_engines_windows_into_the_frameworks_where_the_gs_d
     assert any(note.startswith("policy 'sync' does not steer this run: the engine's gradient_accumulation_steps is 3") for note in
                report.notes)
     assert report.events and all(event.remedy == run.remedy for event in report.events)
+
+
+def test_ranks_found_apart_in_words_in_the_report_and_in_its_json():
+    from stepsync.core.events import RanksApart
+    from stepsync.core.report import SyncReport
+
+    apart = RanksApart(1, 4, 2, 0, "epoch end", 2)
+    assert str(apart) == ("the 2 ranks' copies of the weights differ at update 2 (found at the epoch end, epoch 1, "
+                          "micro-batch 4; they agreed after update 0)")
+    assert "no comparison on this run found them agreeing" in str(RanksApart(1, 0, 0, None, "train begin", 4))
+    report = SyncReport(Policy.WARN, active=True, ranks_apart=apart)
+    assert f"ranks apart: {apart}" in str(report)
+    assert report.to_dict()["ranks_apart"] == {"epoch": 1, "micro_batch": 4, "engine_steps": 2, "agreed_at": 0,
+                                               "where": "epoch end", "ranks": 2}
+    assert "ranks apart" not in str(SyncReport(Policy.WARN, active=True))
