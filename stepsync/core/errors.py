@@ -13,11 +13,12 @@ class StepSyncError(Exception):
 
 
 class StepDriftError(StepSyncError, RuntimeError):
-    """Raised by policy ``'raise'`` at the first divergence; carries the :class:`DriftEvent`."""
+    """Raised by policy ``'raise'`` at the first divergence, or before the first micro-batch where the forecast says
+    the counts will part (``event.where == "forecast"``); carries the :class:`DriftEvent`."""
 
-    def __init__(self, event: DriftEvent) -> None:
+    def __init__(self, event: DriftEvent, message: str = "") -> None:
         self.event = event
-        super().__init__(event.message())
+        super().__init__(message or event.message())
 
 
 class UpdateSkippedError(StepSyncError, RuntimeError):

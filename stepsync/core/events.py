@@ -39,7 +39,7 @@ class Counted:
 
 # Where a check found a drift, as a message says it (the event keeps the short name).
 WHERE_IN_WORDS = {"train_begin": "as training began", "step_end": "at an update", "batch_end": "after a micro-batch",
-                  "epoch_end": "at the epoch's end"}
+                  "epoch_end": "at the epoch's end", "forecast": "as forecast, before the first micro-batch"}
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,8 @@ class DriftEvent(Counted):
         engine_steps: ``engine.global_steps`` at that moment.
         previous_drift: the drift before this event.
         where: ``"train_begin"``, ``"step_end"`` (where the framework counted an update), ``"batch_end"`` (a
-            micro-batch where it did not, checked by the Lightning callback) or ``"epoch_end"``.
+            micro-batch where it did not, checked by the Lightning callback), ``"epoch_end"``, or ``"forecast"``
+            (the first drift the forecast predicts, at that epoch's end, for policy ``raise``'s stop at the start).
         counter: what ``trainer_steps`` counts (the Trainer's ``global_step``, or a custom loop's updates).
     """
 

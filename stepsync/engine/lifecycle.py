@@ -12,12 +12,12 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Tuple
 
 from ..core.choices import FaultAnswer, Policy
-from ..core.errors import StepSyncConfigError
-from ..core.events import Cause
+from ..core.errors import StepDriftError, StepSyncConfigError
+from ..core.events import Cause, DriftEvent
 from ..core.forecast import forecast
 from ..core.frameworks import BackwardCall, Framework
 from ..core.plan import RunPlan
-from ..core.prediction import what_the_updates_miss
+from ..core.prediction import Forecast, what_the_updates_miss
 from ..core.record import ResumeRecord, step_of
 from ..core.relayout import Layout, ResumeShift
 from ..core.report import LoadedCheckpoint, SyncReport
@@ -206,6 +206,24 @@ def make_forecast(run: Run, start: RunStart) -> None:
             run.voice.note(f"{start.framework.name} planned max_steps={report.planned_steps}, the forecast "
                            f"{predicted.planned_steps}: the forecast may be off for this release")
         run.voice.announce(predicted)
+        if run.policy.stops and not predicted.aligned:
+            _stop_at_the_forecast(run, predicted)
+
+
+def _stop_at_the_forecast(run: Run, predicted: Forecast) -> None:
+    """Policy 'raise' and a forecast whose counts part: every rank stops before the first micro-batch, with the
+    forecast's words and its first drift as the event."""
+    kept = predicted.inherited_drift
+    row = next(row for row in predicted.epochs if row.drift != kept) if predicted.epochs else None
+    if row is None:
+        return
+    event = DriftEvent(epoch=row.epoch, micro_batch=row.micro_batches, trainer_steps=row.trainer_steps,
+                       engine_steps=row.engine_steps, previous_drift=run.last_drift,
+                       cause=run.cause_of("forecast", row.drift, row.micro_batches), remedy=run.remedy,
+                       where="forecast", counter=run.report.framework.counter,
+                       **({} if run.facts.deepspeed else {"updates": "optimizer steps"}))
+    raise StepDriftError(event, f"the forecast: {predicted.verdict()}. Policy 'raise' stops every rank before the "
+                                f"first micro-batch; the first drift would be {event.message()}")
 
 
 def _say_the_weight_faults(run: Run, stack: Any, g: int, call: BackwardCall) -> None:

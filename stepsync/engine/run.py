@@ -257,7 +257,7 @@ class Run:
             trainer_steps=trainer_steps,
             engine_steps=self.engine_steps_seen,
             previous_drift=self.last_drift,
-            cause=self._cause(where, drift),
+            cause=self.cause_of(where, drift),
             remedy=remedy or self.remedy,
             where=where,
             counter=report.framework.counter,
@@ -270,7 +270,9 @@ class Run:
             self.output.show(render.drift_panel, event, logging.WARNING)
         self.action.on_drift(event)
 
-    def _cause(self, where: str, drift: int) -> Cause:
+    def cause_of(self, where: str, drift: int, position: Optional[int] = None) -> Cause:
+        """Why the drift is ``drift`` at ``where`` (at micro-batch ``position`` of the epoch; now by default)."""
+        position = self.position if position is None else position
         if where == "train_begin":
             return Cause.INHERITED
         if drift == self.report.inherited_drift:
@@ -279,7 +281,7 @@ class Run:
             return self.known_cause
         if drift < self.last_drift:
             return Cause.ENGINE_AHEAD
-        if self.n is not None and self.position == self.n:
+        if self.n is not None and position == self.n:
             return Cause.TINY_EPOCH if self.n <= self.g else Cause.PARTIAL_WINDOW
         return Cause.UNEXPLAINED
 

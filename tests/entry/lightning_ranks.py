@@ -22,7 +22,9 @@ def main(out_dir: str) -> None:
         report = callback.report
         results[f"{policy}-{stage}"] = {
             "error": type(result.error).__name__ if result.error else None,
-            "event": report.events[0].to_dict() if report.events else None,
+            # what raise stopped at (the forecast's first drift), else the first drift seen
+            "event": (result.error.event.to_dict() if hasattr(result.error, "event") else
+                      report.events[0].to_dict() if report.events else None),
             "counts": [report.trainer_steps, report.engine_steps],
             "epochs": [[e.trainer_steps, e.engine_steps] for e in report.epochs],
             "recorded": result.recording.epoch_ends, "batches": result.recording.batches,

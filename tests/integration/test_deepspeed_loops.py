@@ -66,14 +66,14 @@ def test_sync_makes_a_deepspeed_chat_loop_update_at_its_own_windows():
     assert report.unapplied_micro_batches == 0 and report.forecast.drift == 0
 
 
-def test_raise_stops_a_deepspeed_chat_loop_at_its_first_partial_window():
+def test_raise_stops_a_deepspeed_chat_loop_before_the_partial_window_it_forecasts():
     from harness.raw_loops import run_chat_loop
     from stepsync.core.errors import StepDriftError
 
     run = run_chat_loop(7, 3, 2, policy="raise")
-    assert isinstance(run.error, StepDriftError)
+    assert isinstance(run.error, StepDriftError)  # the forecast's first drift: epoch 1's partial window
     assert (run.error.event.epoch, run.error.event.micro_batch, run.error.event.drift) == (1, 7, 1)
-    assert run.engine_steps == [0, 0, 1, 1, 1, 2] and run.updates == [[0, 1, 2], [3, 4, 5]]  # stopped in step() 7
+    assert run.error.event.where == "forecast" and run.engine_steps == [] and run.updates == []
 
 
 # ---------------------------------------------------------------- open-instruct's learner: K backward() per step()
@@ -248,9 +248,9 @@ def test_a_fault_inside_the_watch_never_ends_the_loop_unless_raise(monkeypatch, 
 
     monkeypatch.setattr(EngineWatch, "_ends_window", failing)
     with caplog.at_level(logging.ERROR, logger="stepsync"):
-        if policy == "raise":
+        if policy == "raise":  # 6 micro-batches: a forecast without drift, so that raise reaches the failure
             with pytest.raises(RuntimeError, match="injected failure"):
-                run_chat_loop(7, 3, 2, policy=policy)
+                run_chat_loop(6, 3, 2, policy=policy)
             return
         run = run_chat_loop(7, 3, 2, policy=policy)
     plain = run_chat_loop(7, 3, 2)

@@ -99,11 +99,12 @@ def test_drop_last_trains_whole_windows_only(stage):
     assert "weighs 1/4" in report.forecast.verdict()  # what drop_last leaves as it is, said
 
 
-def test_raise_stops_at_the_first_divergence():
+def test_raise_stops_before_the_first_batch_where_the_forecast_drifts():
     result, report = fit(3, 2, 2, 0, "raise")
     assert isinstance(result.error, StepDriftError)
-    event = result.error.event
-    assert (event.epoch, event.micro_batch, event.where, event.trainer_steps, event.engine_steps) == (2, 1, "batch_end", 1, 2)
+    event = result.error.event  # the forecast's first drift: the engine ahead at epoch 2's end
+    assert (event.epoch, event.micro_batch, event.where, event.trainer_steps, event.engine_steps) == (2, 3, "forecast", 2, 3)
+    assert result.recording.batches == [] and str(result.error).startswith("the forecast: affected")
 
 
 @pytest.mark.parametrize("policy", ["sync", "drop_last"])

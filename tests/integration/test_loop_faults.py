@@ -18,13 +18,14 @@ N, G, EPOCHS = 5, 2, 2  # 10 micro-batches; the engine's own counter updates at 
 BREAKS_AT = 4  # the micro-batch whose step the fault meets: mid-epoch, where sync has already steered
 
 
-def faulty_loop(monkeypatch, caplog, policy, fail, breaks_at=BREAKS_AT, **kwargs):
-    """Run the loop with stepsync seeing a FaultyEngine that breaks before micro-batch ``breaks_at``."""
+def faulty_loop(monkeypatch, caplog, policy, fail, breaks_at=BREAKS_AT, samples=N, **kwargs):
+    """Run the loop of ``samples`` micro-batches per epoch with stepsync seeing a FaultyEngine that breaks before
+    micro-batch ``breaks_at``."""
     import stepsync.accelerate.watch as adapter
 
     before_micro_batch = breaking_at(monkeypatch, adapter, "find_engine", fail, breaks_at)
     with caplog.at_level(logging.INFO, logger="stepsync"):
-        return run_loop(N, G, EPOCHS, policy, before_micro_batch=before_micro_batch, **kwargs)
+        return run_loop(samples, G, EPOCHS, policy, before_micro_batch=before_micro_batch, **kwargs)
 
 
 def assert_trained_on_as_deepspeed_would(result, plain, caplog, failure):
@@ -90,7 +91,8 @@ def test_a_failing_tracker_ends_only_the_observing_and_sync_steers_on(monkeypatc
 
 @pytest.mark.reliability("fault")
 def test_under_raise_an_internal_failure_stops_the_loop_once(monkeypatch, caplog):
-    result = faulty_loop(monkeypatch, caplog, "raise", {"global_steps": "raise"})
+    # epochs of whole windows: a forecast without drift, so that raise reaches the failure
+    result = faulty_loop(monkeypatch, caplog, "raise", {"global_steps": "raise"}, samples=2 * G)
     assert isinstance(result.error, RuntimeError) and "injected failure reading global_steps" in str(result.error)
     assert len(result.loop_steps) == BREAKS_AT - 1  # the loop stopped inside micro-batch 4's backward
     errors = stepsync_errors(caplog)

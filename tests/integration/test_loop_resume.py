@@ -109,7 +109,10 @@ def test_a_checkpoint_saved_mid_window_says_what_the_resume_lost(saved):
 def test_raise_stops_at_a_save_inside_a_window(tmp_path):
     from stepsync.core.errors import UnsafeCheckpointError
 
-    result = loop("raise", save_to=str(tmp_path), save_every_micro_batch=True)
+    from harness.loops import run_loop
+
+    # epochs of whole windows: a forecast without drift, so that raise reaches the save
+    result = run_loop(3 * G, G, EPOCHS, "raise", stage=2, save_to=str(tmp_path), save_every_micro_batch=True)
     assert isinstance(result.error, UnsafeCheckpointError)
     assert str(result.error).startswith("checkpoint step_1: 1 micro-batch(es) are in DeepSpeed's open window")
     assert result.loop_steps == [0, 0, 1, 1]  # the update at micro-batch 3; the save after micro-batch 4 stops

@@ -60,14 +60,15 @@ def test_warn_leaves_the_parameters_as_they_were():
     assert torch.equal(final_parameters(watched), final_parameters(plain))
 
 
-def test_raise_stops_the_loop_at_the_first_divergence():
+def test_raise_stops_the_loop_before_its_first_micro_batch_where_the_forecast_drifts():
     from stepsync import StepDriftError
 
     result = loop("raise")
     if DRIFTS:
         assert isinstance(result.error, StepDriftError)
-        assert (result.error.event.trainer_steps, result.error.event.engine_steps) == (3, 2)
-        assert len(result.engine_steps) == N - 1  # the loop's own record stops before the raising micro-batch ends
+        assert (result.error.event.trainer_steps, result.error.event.engine_steps) == (3, 2)  # as forecast
+        assert result.error.event.where == "forecast" and str(result.error).startswith("the forecast: affected")
+        assert result.engine_steps == [] and result.engine.micro_steps == 0  # stopped before the first micro-batch
     else:
         assert result.error is None and result.watch.report.events == []
 

@@ -66,15 +66,16 @@ def test_every_log_record_carries_the_metrics(tmp_path):
     assert [r["stepsync/engine_steps"] for r in seen] == [r["stepsync/engine_steps"] for r in history]
 
 
-def test_raise_stops_at_the_first_divergence(tmp_path):
+def test_raise_stops_before_the_first_micro_batch_where_the_forecast_drifts(tmp_path):
     from stepsync import StepDriftError
 
     result = run(tmp_path, 3, 2, 2, policy="raise")
     if DRIFTS:
         assert isinstance(result.error, StepDriftError) and isinstance(result.error, RuntimeError)
-        assert (result.trainer.state.global_step, result.engine.global_steps) == (2, 1)
-        assert (result.error.event.epoch, result.error.event.micro_batch) == (1, 3)
-        assert result.trainer.state.epoch == 1.0  # nothing of epoch 2 ran
+        assert (result.trainer.state.global_step, result.engine.global_steps, result.engine.micro_steps) == (0, 0, 0)
+        event = result.error.event  # the first drift the forecast predicts
+        assert (event.epoch, event.micro_batch, event.where) == (1, 3, "forecast")
+        assert str(result.error).startswith("the forecast: affected: the Trainer counts 4 updates, the engine makes 3")
         assert "global_step=2" in str(result.error) and "global_steps=1" in str(result.error)
         assert "policy='sync'" in str(result.error)
     else:

@@ -26,7 +26,9 @@ def test_raise_stops_both_ranks_at_the_same_batch(ranks):
     for rank in ranks:
         case = rank["raise-0"]
         assert case["error"] == "StepDriftError"
-        assert (case["event"]["epoch"], case["event"]["micro_batch"], case["event"]["where"]) == (2, 1, "batch_end")
+        # the forecast's first drift (the engine ahead at epoch 2's end), before the first batch
+        assert (case["event"]["epoch"], case["event"]["micro_batch"], case["event"]["where"]) == (2, 3, "forecast")
+        assert case["batches"] == []
 
 
 @pytest.mark.parametrize("case", ["sync-0", "sync-2"])

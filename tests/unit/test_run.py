@@ -158,11 +158,31 @@ def test_warn_on_an_aligned_stack_sees_no_event_even_when_the_engine_drifts():
     assert [(e.where, e.drift) for e in run.report.events] == [("step_end", 1)]
 
 
-def test_raise_stops_at_the_first_divergence():
+def test_raise_stops_before_the_first_micro_batch_where_the_forecast_says_the_counts_part():
+    engine = FakeEngine(2)
     with pytest.raises(StepDriftError) as stopped:
-        drive("raise", 3, 2, 2)
+        drive("raise", 3, 2, 2, engine=engine)
     event = stopped.value.event
+    assert engine.micro_steps == 0  # nothing trained
     assert (event.epoch, event.micro_batch, event.trainer_steps, event.engine_steps) == (1, 3, 2, 1)
+    assert event.where == "forecast" and event.cause is Cause.PARTIAL_WINDOW
+    said = str(stopped.value)
+    assert said.startswith("the forecast: affected: the Trainer counts 4 updates, the engine makes 3")
+    assert "stops every rank before the first micro-batch" in said and "epoch 1, micro-batch 3" in said
+
+
+def test_raise_without_a_forecast_stops_at_the_first_divergence():
+    """A run whose epoch length is not known has no forecast: raise stops where the counts part."""
+    engine = FakeEngine(2)
+    run, started = open_run(RunStart(TRAINER, Policy.RAISE, engine, behaviour_of(DRIFTING), None, 2,
+                                     ConsoleOutput(False), planned_steps=4, plan=None))
+    run.begin_epoch()
+    with pytest.raises(StepDriftError) as stopped:
+        for count in (0, 1, 1):
+            engine.step()
+            run.after_micro_batch(count == 1 and engine.micro_steps == 2, count)
+        run.end_epoch(2)
+    assert stopped.value.event.where != "forecast" and engine.micro_steps == 3
 
 
 def test_sync_steers_the_engine_to_every_trainer_update_and_gives_the_boundary_back():
