@@ -304,7 +304,23 @@ class LoopWatch(LoopAdapter):
     def _close(self) -> None:
         if self._run is not None and self._pending:
             self._count(self._run, False)
+        if self._run is not None and self._run.observing:
+            self._say_whose_count_the_schedule_followed(self._run)
         close_run(self.report, self._run, self.loop_steps)
+
+    def _say_whose_count_the_schedule_followed(self, run: Run) -> None:
+        """Where the counts parted: the LR scheduler the loop prepared stepped on the loop's count (accelerate steps
+        it where ``sync_gradients`` is true), not at the engine's updates as DeepSpeed's own scheduler does."""
+        made = run.engine.global_steps
+        if self.loop_steps == made:
+            return
+        engine_scheduler = getattr(run.engine, "lr_scheduler", None)
+        prepared = [s for s in getattr(self.accelerator, "_schedulers", None) or []
+                    if getattr(s, "scheduler", s) is not engine_scheduler]
+        if prepared:
+            run.voice.note(f"the LR scheduler your loop prepared steps on your loop's count (accelerate steps it where "
+                           f"accelerator.sync_gradients is true), not at the engine's updates: its schedule followed "
+                           f"your loop's {self.loop_steps} updates while the engine made {made}")
 
 
 G_VARIABLE = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"

@@ -49,6 +49,14 @@ def test_warn_reports_the_loops_real_drift_and_changes_nothing():
     else:
         assert watched.epoch_ends == [(3, 3), (6, 6)] and report.events == []
     assert str(report).startswith("stepsync report (policy 'warn'): your loop 6 updates")
+    # The LR scheduler the loop prepared, read apart from stepsync: it steps on the loop's count.
+    scheduler = watched.accelerator._schedulers[0].scheduler
+    followed = [note for note in report.notes if note.startswith("the LR scheduler your loop prepared")]
+    assert scheduler.last_epoch == 6
+    if DRIFTS:
+        assert followed and followed[0].endswith("its schedule followed your loop's 6 updates while the engine made 5")
+    else:
+        assert followed == []
 
 
 def test_warn_leaves_the_parameters_as_they_were():
