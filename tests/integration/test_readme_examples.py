@@ -1,7 +1,9 @@
-"""README.md's "Three examples", each run as written: its code block, its `...` filled with what a user has (the tiny
-GPT-2, a dataset, a DeepSpeed config), saved as train.py and started with the README's own CPU launch line
-(`DS_ACCELERATOR=cpu torchrun --nproc_per_node 1 train.py`). The report each prints must be stepsync's, with the
-counts this stack makes."""
+"""README.md's "Three examples" and the docs' own examples, each run as written: its code block, its `...` filled with
+what a user has (the tiny GPT-2, a dataset, a DeepSpeed config), saved as train.py and started with the README's own
+CPU launch line (`DS_ACCELERATOR=cpu torchrun --nproc_per_node 1 train.py`); the docs' command lines run on a user's
+config. The report each prints must be stepsync's, with the counts this stack makes. Lightning's example runs in
+tests/integration/test_lightning.py's shape (its DeepSpeed strategy refuses a CPU at one device check, lifted there);
+docs/resume.md's Ray Train example in tests/multiprocess/test_ray_train.py."""
 import os
 import re
 import subprocess
@@ -57,6 +59,11 @@ def examples():
     return re.findall(r"```python\n(.*?)```", section, re.S)
 
 
+def doc_blocks(page: str, kind: str = "python"):
+    """The ``kind`` code blocks of docs/``page``, in order."""
+    return re.findall(rf"```{kind}\n(.*?)```", open(os.path.join(ROOT, "docs", page)).read(), re.S)
+
+
 def launch_line():
     """The README's CPU launch line, split into its variable and its command."""
     found = re.search(r"`(DS_ACCELERATOR=cpu torchrun --nproc_per_node 1 train\.py)`", readme())
@@ -109,3 +116,48 @@ def test_the_accelerate_loop_example_runs_as_written(tmp_path):
     assert "stepsync report (policy 'sync')" in done.stdout
     # sync makes the engine update where the loop counts: 2 updates per epoch on every accelerate release
     assert "your loop 4 updates, engine 4 (drift +0)" in done.stdout, done.stdout[-2000:]
+
+
+def test_the_docs_trainer_and_lightning_examples_are_the_readmes():
+    """docs/trainer.md and docs/lightning.md show the README's examples, which the tests above run."""
+    assert doc_blocks("trainer.md") == [examples()[0]] and doc_blocks("lightning.md") == [examples()[2]]
+
+
+def test_the_accelerate_pages_example_runs_as_written(tmp_path):
+    block, = doc_blocks("accelerate.md")
+    preamble = LOOP_PREAMBLE.replace("model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(model, "
+                                     "optimizer, train_dataloader, lr_scheduler)\n", "")
+    assert "accelerator.prepare(" in block  # the page prepares the objects itself
+    done = launch(tmp_path, preamble + block)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "your loop 4 updates, engine 4 (drift +0)" in done.stdout, done.stdout[-2000:]
+
+
+def test_the_deepspeed_pages_example_and_command_run_as_written(tmp_path):
+    """docs/deepspeed.md: a loop that drives the engine itself (7 micro-batches, G=3: a DeepSpeed-Chat loop, which
+    steps after every micro-batch), and its `stepsync check` line for the same shape."""
+    block, = doc_blocks("deepspeed.md")
+    preamble = TRAINER_PREAMBLE + """import deepspeed, torch
+model = tiny_model()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 3, "zero_optimization": {"stage": 0},
+          "zero_allow_untested_optimizer": True}
+"""
+    done = launch(tmp_path, preamble + filled(block, {"config=config, ...": "config=config, training_data=TinyDataset(7)"}))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    # sync: 7 micro-batches per epoch in windows of 3, 3 and 1, on both counts
+    assert "stepsync report (policy 'sync'): your loop 6 updates, engine 6 (drift +0)" in done.stdout, \
+        done.stdout[-2000:]
+    command, = doc_blocks("deepspeed.md", "bash")
+    checked = subprocess.run([sys.executable, "-m", *command.split()], capture_output=True, text=True, timeout=120)
+    assert checked.returncode in (0, 1) and "epoch" in checked.stdout, checked.stderr
+
+
+def test_the_updates_pages_verify_line_runs_on_a_users_config(tmp_path):
+    command, = doc_blocks("updates.md", "bash")
+    words = re.sub(r"\s+#.*$", "", command.strip()).split()
+    assert words[:2] == ["stepsync", "verify"]
+    (tmp_path / "ds_config.json").write_text('{"zero_optimization": {"stage": 1}}')
+    done = subprocess.run([sys.executable, "-m", *words], cwd=str(tmp_path), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode in (0, 1) and done.stdout.startswith("DeepSpeed "), done.stderr[-2000:]
