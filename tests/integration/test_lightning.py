@@ -1,6 +1,7 @@
 """stepsync.lightning.StepSyncCallback on real Lightning + DeepSpeed runs on CPU, checked against an independent
 recorder (both counts and the scheduler's steps after every batch) and against each update's micro-batch weights
 solved from the parameters (harness/lightning_runs.py). Lightning's one device check is lifted; nothing else."""
+import os
 import shutil
 from importlib.metadata import version
 
@@ -10,6 +11,8 @@ from packaging.version import Version
 pytest.importorskip("lightning")
 
 from harness.lightning_runs import parameters, run_lightning  # noqa: E402
+from harness.paths import REPO  # noqa: E402
+from harness.readme import examples, filled, launch  # noqa: E402
 from stepsync.core.errors import StepDriftError, StepSyncConfigError  # noqa: E402
 from stepsync.lightning import StepSyncCallback  # noqa: E402
 
@@ -229,3 +232,34 @@ def test_the_clip_norm_in_force_against_gradient_clip_val(policy):
     assert len(said) == 1 and "clips at 1" in said[0] and 'remove "gradient_clipping"' in said[0]
     result, report = fit(4, 2, 1, policy=policy, strategy=strategy(), gradient_clip_val=0.5)  # the fix
     assert result.engine.gradient_clipping() == 0.5 and not any("clip" in note for note in report.notes)
+
+
+LIGHTNING_PREAMBLE = """\
+import lightning.pytorch as pl
+from stepsync.tools.tiny_lightning import cpu_deepspeed_strategy, one_hot_loader, one_hot_module
+from stepsync.tools.tiny_run import skip_shared_memory_op
+skip_shared_memory_op()  # the README's Install section: the CPU collective op is optional
+model, train_dataloader = one_hot_module(3), one_hot_loader(3)
+"""
+# What the README says differs on a CPU: the strategy, its one CUDA check lifted and its devices named by index
+ON_A_CPU = {'strategy="deepspeed_stage_2"': "strategy=cpu_deepspeed_strategy(2)"}
+LIGHTNING_AFTER = """
+report = next(c for c in trainer.callbacks if isinstance(c, StepSyncCallback)).report
+print("stepsync counts:", report.trainer_steps, report.engine_steps, report.drift)
+"""
+
+
+def test_the_readmes_lightning_example_runs_as_written_with_the_cuda_check_lifted(tmp_path):
+    """README.md's Lightning example, with a module and a dataloader, started with its CPU launch line (on the newest
+    Lightning stack; the older ones run the same callback through harness/lightning_runs.py)."""
+    if Version(version("lightning")) < Version("2.6"):
+        pytest.skip("the README's example runs on the newest Lightning stack")
+    # The example sets no max_epochs (Lightning's default is 1000): Lightning's own environment default caps it at 2
+    readme = " ".join(open(os.path.join(REPO, "README.md")).read().split())
+    assert "replace `\"deepspeed_stage_2\"` with `stepsync.tools.tiny_lightning.cpu_deepspeed_strategy(2)`" in readme
+    done = launch(tmp_path, LIGHTNING_PREAMBLE + filled(examples()[2], ON_A_CPU) + LIGHTNING_AFTER,
+                  PL_TRAINER_MAX_EPOCHS="2")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    # 3 micro-batches per epoch, accumulate_grad_batches=2, 2 epochs: sync ends each epoch after its whole window
+    # (docs/lightning.md), one update per epoch on both counts
+    assert "stepsync counts: 2 2 0" in done.stdout and "built successfully" not in done.stdout, done.stdout[-2000:]

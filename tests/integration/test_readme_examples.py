@@ -1,21 +1,20 @@
 """README.md's "Three examples" and the docs' own examples, each run as written: its code block, its `...` filled with
 what a user has (the tiny GPT-2, a dataset, a DeepSpeed config), saved as train.py and started with the README's own
 CPU launch line (`DS_ACCELERATOR=cpu torchrun --nproc_per_node 1 train.py`); the docs' command lines run on a user's
-config. The report each prints must be stepsync's, with the counts this stack makes. Lightning's example runs in
-tests/integration/test_lightning.py's shape (its DeepSpeed strategy refuses a CPU at one device check, lifted there);
-docs/resume.md's Ray Train example in tests/multiprocess/test_ray_train.py."""
-import os
+config. The report each prints must be stepsync's, with the counts this stack makes. Lightning's example runs on
+the Lightning stacks (tests/integration/test_lightning.py), with the one device check the README names lifted;
+docs/resume.md's Ray Train example is followed by tests/entry/ray_runs.py."""
 import re
 import subprocess
 import sys
 
 import pytest
 
+from harness.readme import doc_blocks, examples, filled, launch, launch_line
 from harness.stack import needs_stack
 
 pytestmark = [needs_stack, pytest.mark.integration]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # What a user's script has before the README's lines: a model, its data, a DeepSpeed config; the shared-memory op
 # skipped as the README's Install section says one can.
 TRAINER_PREAMBLE = """\
@@ -45,52 +44,6 @@ train_dataloader = torch.utils.data.DataLoader(TinyDataset(3), batch_size=1)
 lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(model, optimizer, train_dataloader, lr_scheduler)
 """
-
-
-def readme():
-    return open(os.path.join(ROOT, "README.md")).read()
-
-
-def examples():
-    """The Python blocks of "Three examples", in order."""
-    text = readme()
-    section = text[text.index("## Three examples"):]
-    section = section[:section.index("\n## ", 4)]
-    return re.findall(r"```python\n(.*?)```", section, re.S)
-
-
-def doc_blocks(page: str, kind: str = "python"):
-    """The ``kind`` code blocks of docs/``page``, in order."""
-    return re.findall(rf"```{kind}\n(.*?)```", open(os.path.join(ROOT, "docs", page)).read(), re.S)
-
-
-def launch_line():
-    """The README's CPU launch line, split into its variable and its command."""
-    found = re.search(r"`(DS_ACCELERATOR=cpu torchrun --nproc_per_node 1 train\.py)`", readme())
-    assert found, "the README's Install section names the CPU launch line"
-    variable, *command = found.group(1).split()
-    return dict([variable.split("=")]), command
-
-
-def launch(tmp_path, script: str):
-    """train.py started with the README's launch line (torchrun from this environment), as a user starts it."""
-    (tmp_path / "train.py").write_text(script)
-    variables, command = launch_line()
-    assert command[0] == "torchrun"
-    env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                            "MASTER_ADDR", "MASTER_PORT")}
-    env.update(variables, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    return subprocess.run([torchrun, *command[1:], str(tmp_path / "out")], cwd=str(tmp_path), env=env,
-                          capture_output=True, text=True, timeout=600)
-
-
-def filled(block: str, replacements: dict) -> str:
-    for ellipsis, value in replacements.items():
-        assert ellipsis in block, ellipsis
-        block = block.replace(ellipsis, value)
-    assert "..." not in block  # every blank of the README's example is filled above
-    return block
 
 
 def test_the_readme_has_three_examples_and_a_cpu_launch_line():
