@@ -154,14 +154,14 @@ class NonFiniteUpdate:
 class RanksApart:
     """The ranks' copies of the weights no longer agree: a fault on one rank (a gradient left out of the average
     across ranks, a weight restored or written on one rank only, a hardware error) trains each rank apart. Found by
-    comparing a fingerprint of every rank's copy at train begin, epoch ends, checkpoints and the end.
+    comparing a fingerprint of every rank's copy at train begin, epoch ends and checkpoints.
 
     Attributes:
         epoch: 1-based epoch.
         micro_batch: the micro-batch of that epoch at which it was found.
         engine_steps: the engine's count when it was found: the copies parted at or before this update.
         agreed_at: the engine's count at the last comparison where they agreed (None: none did on this run).
-        where: the comparison that found it ("train begin", "epoch end", "checkpoint", "the end").
+        where: the comparison that found it ("train begin", "epoch end", "checkpoint").
         ranks: the ranks compared.
     """
 

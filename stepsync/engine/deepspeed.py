@@ -186,8 +186,9 @@ def held_weights(engine: Any) -> Tuple[List[Any], bool, bool]:
 
 class WeightFingerprint:
     """Two numbers that tell one rank's copy of the weights from another's (their sum and their norm, in fp32),
-    compared across ranks through one all-reduce; read at train begin, epoch ends, checkpoints and the end, never per
-    micro-batch. Where ZeRO-3 partitions the weights no rank holds a replica of another's, and nothing is compared.
+    compared across ranks through one all-reduce; read at train begin, epoch ends and checkpoints (where every rank is
+    sure to stop together: never at a close one rank may call alone), never per micro-batch. Where ZeRO-3 partitions
+    the weights no rank holds a replica of another's, and nothing is compared.
 
     Attributes:
         replicated: every rank holds a whole copy (ZeRO 0 - 2 and DeepSpeed's bf16 optimizer): worth comparing.

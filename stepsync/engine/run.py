@@ -197,14 +197,13 @@ class Run:
         if not self.facts.deepspeed:
             self.engine.stop_counting()
         self.updates.check_weights_now(self)
-        loaded = self.engine.global_steps != self.engine_steps_seen
-        if self.observing:
-            self.report.trainer_steps = trainer_steps
-            self.report.engine_steps = self.engine_steps_seen
-            self.report.engine_skipped = self.updates.skipped_seen
-            self.report.unapplied_micro_batches = self.since_engine_update
-        self.updates.compare_ranks(self, "the end")
-        return loaded and self.observing
+        if not self.observing:
+            return False
+        self.report.trainer_steps = trainer_steps
+        self.report.engine_steps = self.engine_steps_seen
+        self.report.engine_skipped = self.updates.skipped_seen
+        self.report.unapplied_micro_batches = self.since_engine_update
+        return self.engine.global_steps != self.engine_steps_seen
 
     def saved_checkpoint(self) -> None:
         """Every rank saved a checkpoint: their copies of the weights are compared, so that a checkpoint saved after
