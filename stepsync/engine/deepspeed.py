@@ -13,12 +13,14 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 from ..core.weights import Accumulation
 
 
-def spread_across_ranks(values: Sequence[int], device: Any = "cpu") -> List[Tuple[int, int]]:
-    """(lowest, highest) of each of ``values`` over every rank of the run: one all-reduce, on every rank.
+def spread_across_ranks(values: Sequence[float], device: Any = "cpu") -> List[Tuple[Any, Any]]:
+    """(lowest, highest) of each of ``values`` over every rank of the run: one all-reduce, on every rank. Whole numbers
+    (and bools) are compared as int64, anything else as float64.
 
     A single process, or a run without a process group, gets its own values back.
     """
-    values = [int(v) for v in values]
+    whole = all(isinstance(v, int) for v in values)
+    values = [int(v) if whole else float(v) for v in values]
     try:
         import torch
         import torch.distributed as dist
@@ -27,7 +29,7 @@ def spread_across_ranks(values: Sequence[int], device: Any = "cpu") -> List[Tupl
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return [(v, v) for v in values]
     # The highest of v and of -v in one call: -(highest of -v) is the lowest.
-    both = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=device)
+    both = torch.tensor(values + [-v for v in values], dtype=torch.int64 if whole else torch.float64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     found = both.tolist()
     n = len(values)
@@ -204,7 +206,6 @@ class WeightFingerprint:
     def ranks_agree(self) -> bool:
         """Whether every rank's copy gives the same fingerprint (a collective: every rank calls it together)."""
         import torch
-        import torch.distributed as dist
 
         total = norm = 0.0
         with torch.no_grad():
@@ -213,12 +214,7 @@ class WeightFingerprint:
                 norm += float(torch.linalg.vector_norm(tensor, dtype=torch.float32)) ** 2
         # the same number on every rank for weights that are not finite, which all ranks then share
         found = [v if math.isfinite(v) else -1.0 for v in (total, norm)]
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-            return True
-        both = torch.tensor(found + [-v for v in found], dtype=torch.float64, device=self.device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        highest, lowest = both.tolist()[:2], [-v for v in both.tolist()[2:]]
-        return highest == lowest
+        return all(lowest == highest for lowest, highest in spread_across_ranks(found, self.device))
 
 
 class FiniteWeights:

@@ -214,7 +214,7 @@ def _stop_at_the_forecast(run: Run, predicted: Forecast) -> None:
     """Policy 'raise' and a forecast whose counts part: every rank stops before the first micro-batch, with the
     forecast's words and its first drift as the event."""
     kept = predicted.inherited_drift
-    row = next(row for row in predicted.epochs if row.drift != kept) if predicted.epochs else None
+    row = next((row for row in predicted.epochs if row.drift != kept), None)
     if row is None:
         return
     event = DriftEvent(epoch=row.epoch, micro_batch=row.micro_batches, trainer_steps=row.trainer_steps,

@@ -44,7 +44,7 @@ from .measurement import (
     wrong_micro_batches,
 )
 from .tiny_run import cpu_distributed_env
-from .verify_ranks import on_ranks
+from .verify_ranks import LAUNCHER_VARIABLES, on_ranks
 
 __all__ = ["FRAMEWORK_CALLS", "LOSS_PATHS", "LOSS_SCALE", "Verdict", "explain", "measure_window", "measuring_config",
            "verify", "verify_command"]
@@ -85,7 +85,7 @@ def verify(config: Dict[str, Any], g: int, framework: str = "deepspeed", world_s
 def _quietly(measure: Callable[[], Any], verbose: bool = False) -> Any:
     """Run ``measure`` as one process of its own, DeepSpeed's output (stdout and stderr, its prints and logs) to a
     file, or to stderr where ``verbose``: the verdict (and --json) is all stdout holds."""
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for name in LAUNCHER_VARIABLES:
         os.environ.pop(name, None)  # one process of its own: never a launcher's rank or an inherited port
     cpu_distributed_env()
     quiet = logging.getLogger("DeepSpeed")
