@@ -12,8 +12,6 @@ import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from harness.loops import rises
-
 POLICIES = ("none", "sync", "realign", "drop_last")
 TABLE_START = "<!-- support-table:start (scripts/support_table.sh writes this) -->"
 TABLE_END = "<!-- support-table:end -->"
@@ -211,6 +209,8 @@ def measure(stack: StackSpec, work_dir: str) -> dict:
 
 def outcome(run) -> dict:
     """What one real run did, in the terms of the table (counts from the engine and the Trainer themselves)."""
+    from harness.loops import rises  # stepsync's modules: only inside a stack, never where scripts/envs.py reads this
+
     report = run.callback.report
     forecast = report.forecast
     return {

@@ -1,8 +1,9 @@
-"""The README's first commands from a fresh clone, as a newcomer runs them: the demo builds its stack and shows the
-drift and the fix; a script of the user's beside the clone imports the installed stepsync. (The test command is
-what CI itself runs from a fresh clone.)"""
+"""The README's first commands from a fresh clone, as a newcomer runs them with a ``python3`` that has only pip (no
+``packaging``, no ``rich``): the demo builds its stack and shows the drift and the fix; a script of the user's beside
+the clone imports the installed stepsync. (The test command is what CI itself runs, from such a ``python3`` too.)"""
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -17,7 +18,13 @@ def test_the_demo_runs_from_a_fresh_clone_and_a_script_beside_it_imports_stepsyn
     clone = tmp_path / "stepsync-src"  # the README's clone line
     subprocess.run(["git", "clone", "-q", REPO, str(clone)], check=True, timeout=120)
     env = {k: v for k, v in child_env().items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "STEPSYNC_STACK")}
-    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if ".stacks" not in p)
+    bare = tmp_path / "python3"  # a new machine's interpreter: the standard library and pip, nothing else
+    subprocess.run([sys.executable, "-m", "venv", str(bare)], check=True, timeout=300)
+    listed = subprocess.run([str(bare / "bin" / "python"), "-c", "import importlib.util as u; print([m for m in "
+                             "('packaging', 'rich', 'torch') if u.find_spec(m)])"], capture_output=True, text=True)
+    assert listed.stdout.strip() == "[]", listed.stdout
+    env["PATH"] = os.pathsep.join([str(bare / "bin"), *(p for p in env.get("PATH", "").split(os.pathsep)
+                                                         if ".stacks" not in p)])
     demo = subprocess.run(["bash", "scripts/demo.sh"], cwd=clone, env=env, capture_output=True, text=True, timeout=900)
     assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
     flat = " ".join(demo.stdout.split())

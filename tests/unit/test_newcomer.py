@@ -302,3 +302,22 @@ def test_stepsync_lightning_without_lightning_names_the_install():
     assert proc.returncode == 1 and "ModuleNotFoundError" not in proc.stderr.splitlines()[-1]
     assert "stepsync.lightning needs Lightning, torch and DeepSpeed" in proc.stderr
     assert f"pip install '{ROOT}[lightning]'" in proc.stderr
+
+
+def test_the_set_up_reads_its_stacks_with_the_standard_library_alone():
+    """scripts/envs.py runs on a new machine's python3 (no packaging, no rich) and imports nothing of stepsync
+    before the stack that has stepsync's dependencies exists: ``-S`` leaves out every installed package."""
+    code = ("import runpy, sys\n"
+            "for argv in (['pins', 'drifting'], ['tests', 't457'], ['stack', '--list']):\n"
+            "    sys.argv = ['envs.py', *argv]\n"
+            "    try:\n"
+            "        runpy.run_path('scripts/envs.py', run_name='__main__')\n"
+            "    except SystemExit as end:\n"
+            "        assert not end.code, (argv, end.code)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('stepsync', 'packaging', 'rich')))\n")
+    done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, cwd=REPO,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("transformers 5.24.0, accelerate 1.7.0") and "drifting" in lines[2]
+    assert lines[-1] == "[]"
