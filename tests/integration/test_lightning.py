@@ -149,10 +149,10 @@ def test_a_resume_from_a_lightning_checkpoint_carries_the_report_on(tmp_path):
 
 
 def test_the_demo_shows_the_drift_then_the_fix_through_the_entry_point():
-    from harness.cli import stepsync
+    from harness.cli import stepsync_process
     from harness.runs import child_env
 
-    proc = stepsync("demo", "--framework", "lightning", timeout=600, env=child_env())
+    proc = stepsync_process("demo", "--framework", "lightning", timeout=600, env=child_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     said = " ".join(proc.stdout.split())
     assert ("policy 'warn': Lightning 2, engine 3; policy 'sync': Lightning 2, engine 2 (2 micro-batch(es) left "

@@ -119,9 +119,9 @@ def test_a_fix_is_named_and_raise_stops_every_rank_before_any_micro_batch(saved)
 
 
 def stepsync_cli(*args):
-    from harness.cli import stepsync
+    from harness.cli import stepsync_process
 
-    return stepsync(*args, env=child_env())
+    return stepsync_process(*args, env=child_env())
 
 
 @pytest.fixture(scope="module")

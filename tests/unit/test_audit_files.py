@@ -132,18 +132,14 @@ def test_a_missing_latest_names_its_repair_and_the_earliest_checkpoint_is_not_se
 def test_inspect_on_another_number_of_ranks_names_the_checkpoint_that_resumes_there(tmp_path):
     """A ZeRO-2 checkpoint saved on one rank: whole, so the verdict as saved calls it safe; on two ranks DeepSpeed
     refuses its partitioned optimizer states, and the verdict for two ranks says no checkpoint resumes there."""
-    import subprocess
-    import sys
+    from harness.cli import stepsync
 
     checkpoint(tmp_path, 2, [0], 2, 1)
-    done = subprocess.run([sys.executable, "-m", "stepsync", "inspect", str(tmp_path), "--world-size", "2", "--quick",
-                           "--json"], capture_output=True, text=True, timeout=120)
+    done = stepsync("inspect", str(tmp_path), "--world-size", "2", "--quick", "--json")
     said = json.loads(done.stdout)
     assert said["safe_to_resume"] == "checkpoint-2" and said["safe_to_resume_on_world_size"] is None
     assert done.returncode == 1 and not said["resume_on"][0]["works"]
-    done = subprocess.run([sys.executable, "-m", "stepsync", "inspect", str(tmp_path), "--world-size", "1",
-                           "--quick", "--json"], capture_output=True, text=True, timeout=120)
+    done = stepsync("inspect", str(tmp_path), "--world-size", "1", "--quick", "--json")
     assert json.loads(done.stdout)["safe_to_resume_on_world_size"] == "checkpoint-2"
-    text = subprocess.run([sys.executable, "-m", "stepsync", "inspect", str(tmp_path), "--world-size", "2",
-                           "--quick"], capture_output=True, text=True, timeout=120).stdout
+    text = stepsync("inspect", str(tmp_path), "--world-size", "2", "--quick").stdout
     assert "on 2 rank(s): no checkpoint resumes as it stands" in " ".join(text.split())

@@ -1,4 +1,4 @@
-"""The command line through its real entry point (a subprocess)."""
+"""The command line: parsing and output in this process, the entry point itself in a child process."""
 import importlib.util
 import json
 import os
@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from harness.cli import stepsync
+from harness.cli import stepsync, stepsync_process
 
 
 def test_check_seed_case_drifts_on_accelerate_17():
@@ -357,7 +357,7 @@ def test_verify_takes_checks_flag_name_for_the_deepspeed_config(tmp_path, capsys
     assert "without stepsync" not in help_text and "policy 'warn': stepsync only watches" in help_text
 
 
-def test_the_readmes_commands_for_a_users_files_run_as_written(tmp_path):
+def test_the_readmes_commands_for_a_users_files_run_as_written(tmp_path, monkeypatch):
     """README.md's "Am I affected?" block, line by line, on files a user has (a TrainingArguments JSON, a DeepSpeed
     config, a Trainer's output folder): exit 0 or 1, never 2. verify, which trains a window, needs torch and
     DeepSpeed: without them it says so (exit 2), and the stacks run it (tests/integration/test_verify.py)."""
@@ -384,9 +384,10 @@ def test_the_readmes_commands_for_a_users_files_run_as_written(tmp_path):
     write_torch_archive(saved / "global_step2" / "mp_rank_00_model_states.pt",
                         {"dp_world_size": 2, "ds_config": {"zero_optimization": {"stage": 0}}})
     trains = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("deepspeed") is not None
+    monkeypatch.chdir(tmp_path)  # the lines name files relative to where the user stands
     for line in lines:
-        proc = subprocess.run([sys.executable, "-m", "stepsync", *line[1:]], capture_output=True, text=True,
-                              cwd=str(tmp_path), timeout=300)
+        proc = (stepsync_process(*line[1:], cwd=str(tmp_path), timeout=300) if line[1] == "verify" and trains
+                else stepsync(*line[1:]))
         if line[1] == "verify" and not trains:
             assert proc.returncode == 2 and "stepsync verify runs DeepSpeed: it needs" in proc.stderr
             continue

@@ -82,8 +82,6 @@ def test_check_says_when_the_trainer_ends_early():
     assert "the Trainer will stop after 2 of 3 epochs: it plans 2 update(s) per epoch" in " ".join(proc.stdout.split())
 
 
-NO_TTY_80 = dict(os.environ, COLUMNS="80", TERM="dumb")
-
 
 def cut_lines(text):
     """Lines rich cut (an ellipsis) or that run past 80 columns."""
@@ -96,7 +94,7 @@ def cut_lines(text):
     ["check", "--samples", "3", "--gas", "2", "--epochs", "2", "--transformers", "9.0.0", "--accelerate", "1.7.0"],
 ])
 def test_check_fits_80_columns_in_a_pipe(args):
-    proc = subprocess.run([sys.executable, "-m", "stepsync", *args], capture_output=True, text=True, env=NO_TTY_80)
+    proc = stepsync(*args, columns=80)
     assert proc.stdout and cut_lines(proc.stdout) == []
 
 
@@ -113,8 +111,7 @@ def fake_output_dir(tmp_path, steps):
 
 def test_inspect_fits_80_columns_in_a_pipe(tmp_path):
     out = fake_output_dir(tmp_path / "a-rather-long-output-directory-name", [(2, 1), (4, 3), (800, 799)])
-    proc = subprocess.run([sys.executable, "-m", "stepsync", "inspect", str(out)], capture_output=True, text=True,
-                          env=NO_TTY_80)
+    proc = stepsync("inspect", str(out), columns=80)
     assert proc.returncode == 1 and cut_lines(proc.stdout) == []
     flat = " ".join(proc.stdout.split())
     assert "no checkpoint is safe to resume from: each one carries drift or missing files into a resume" in flat
@@ -265,14 +262,12 @@ def test_running_from_a_clone_without_installing_names_the_install_command(tmp_p
 def test_a_huge_number_of_epochs_is_summarised_not_printed_whole():
     """100,000 epochs: the table shows the first and last ten (it printed every row, 97 s and 611 MB, before)."""
     args = ["check", "--samples", "7", "--gas", "3", "--epochs", "100000", "--accelerate", "1.7.0"]
-    proc = subprocess.run([sys.executable, "-m", "stepsync", *args], capture_output=True, text=True, env=NO_TTY_80,
-                          timeout=60)
+    proc = stepsync(*args, columns=80)
     lines = proc.stdout.splitlines()
     assert proc.returncode == 1 and len(lines) < 60
     assert "99980 epochs between not shown (--json has every one)" in " ".join(proc.stdout.split())
     assert any(line.split()[:2] == ["100000", "7"] for line in lines if line.strip())
-    data = json.loads(subprocess.run([sys.executable, "-m", "stepsync", *args, "--json"], capture_output=True,
-                                     text=True, timeout=60).stdout)
+    data = json.loads(stepsync(*args, "--json").stdout)
     assert len(data["epochs"]) == 100000
 
 
