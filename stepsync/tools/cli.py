@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from typing import List, Optional
 
 from rich.console import Console
@@ -39,7 +40,7 @@ from .demo import run_demo
 from .resume_audit import planned_here, resume_on
 from .verify import FRAMEWORK_CALLS, measuring_config, verify_command
 
-EXIT_ALIGNED, EXIT_DRIFTS, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_CLOSED_PIPE = 0, 1, 2, 130, 141  # SIGINT, SIGPIPE
+EXIT_ALIGNED, EXIT_DRIFTS, EXIT_BAD_INPUT, EXIT_BUG, EXIT_INTERRUPTED = 0, 1, 2, 3, 130  # 130: Ctrl-C (SIGINT)
 POLICIES = ", ".join(p.value for p in Policy)
 DESCRIPTION = """Keep transformers' Trainer and the DeepSpeed engine agreeing on the optimizer step count.
 
@@ -50,7 +51,8 @@ commands:
             real window, a non-finite loss, the clip norm in force (needs torch and deepspeed)
   demo      a real Trainer + DeepSpeed run on CPU, live (needs the training packages)
 
-exit status: 0 aligned or consistent, 1 drift, an early end or a mismatch, 2 bad input."""
+exit status: 0 aligned or consistent, 1 drift, an early end or a mismatch, 2 bad input, 3 a bug in stepsync
+(its traceback is printed), 130 interrupted (Ctrl-C). A reader that closes the pipe early (| head) changes none."""
 INSTALL_TRAINING = (f"pip install torch==2.13.0 (the CPU build; any torch your project uses), then "
                     f"{install_hint('trainer')} (or: bash scripts/demo.sh, which builds its own environment)")
 
@@ -341,7 +343,50 @@ def version_line() -> str:
     return f"stepsync {__version__} ({found})"
 
 
+class ReaderMayLeave:
+    """A stream that drops what it is given once its reader has closed the pipe (``| head``): the command goes on
+    to its verdict, and its exit status is the verdict's whatever the reader read."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.reader_left = False
+
+    def write(self, text: str) -> int:
+        if not self.reader_left:
+            try:
+                return self.stream.write(text)
+            except BrokenPipeError:
+                self._left()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.reader_left:
+            try:
+                self.stream.flush()
+            except BrokenPipeError:
+                self._left()
+
+    def _left(self) -> None:
+        self.reader_left = True
+        # What the stream still buffers goes nowhere at the interpreter's own flush, instead of failing there.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = ReaderMayLeave(sys.stdout), ReaderMayLeave(sys.stderr)
+    try:
+        return run_command(argv)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.stdout, sys.stderr = streams
+
+
+def run_command(argv: Optional[List[str]]) -> int:
     try:
         args = build_parser().parse_args(argv)
         if args.command == "check":
@@ -365,11 +410,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ImportError as exc:  # run without installing stepsync's own requirements
         print(f"stepsync: error: a package stepsync needs is missing ({exc}): {install_hint()}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except BrokenPipeError:  # the reader closed the pipe (`| head`): end quietly, as a shell tool does
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush must not fail too
-        return EXIT_CLOSED_PIPE
-    except KeyboardInterrupt:  # Ctrl-C ends quietly too
+    except KeyboardInterrupt:  # Ctrl-C ends quietly
         return EXIT_INTERRUPTED
+    except Exception:  # a bug: shown as one, with a status no verdict has
+        traceback.print_exc()
+        print(f"stepsync: error: stepsync {__version__} failed (a bug in stepsync, not in your run): the traceback "
+              "above says where", file=sys.stderr)
+        return EXIT_BUG
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 from harness.cli import stepsync, stepsync_process
+from harness.paths import REPO
 
 
 def test_check_seed_case_drifts_on_accelerate_17():
@@ -228,8 +229,6 @@ def test_check_refuses_realign_for_lightning_with_the_reason():
 @pytest.mark.skipif(importlib.util.find_spec("lightning") is not None, reason="names what a stack without it misses")
 def test_the_lightning_demo_without_lightning_names_the_install():
     proc = stepsync("demo", "--framework", "lightning")
-    from harness.paths import REPO
-
     assert proc.returncode == 2 and f"pip install '{REPO}[lightning]'" in proc.stderr  # the clone it runs from
 
 
@@ -242,18 +241,29 @@ def test_check_of_a_lightning_configuration_imports_neither_lightning_nor_torch(
     assert done.stdout.strip() == "[]", done.stderr
 
 
-def test_a_closed_pipe_ends_quietly():
-    """`stepsync check ... --json | head`: the reader goes away; no BrokenPipeError traceback."""
-    import subprocess
-    import sys
-
+@pytest.mark.parametrize("read_first", [10, 0])
+def test_a_closed_pipe_ends_quietly_with_the_verdicts_status(read_first):
+    """`stepsync check ... --json | head -c 10`: the reader goes away after some output or before any; no traceback,
+    and the exit status is still the verdict's (1: this configuration drifts), never a status that depends on when
+    the reader left."""
     proc = subprocess.Popen([sys.executable, "-m", "stepsync", "check", "--samples", "7", "--gas", "3", "--epochs",
                              "20000", "--transformers", "5.24.0", "--accelerate", "1.7.0", "--deepspeed", "0.19.8",
                              "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    proc.stdout.read(10)
+    proc.stdout.read(read_first)
     proc.stdout.close()  # as `head -c 10` does
     stderr = proc.stderr.read().decode()
-    assert proc.wait(timeout=120) == 141 and "Traceback" not in stderr and "BrokenPipeError" not in stderr
+    assert proc.wait(timeout=120) == 1 and stderr == ""
+
+
+def test_inspect_through_head_exits_with_its_verdict_every_time(tmp_path):
+    """The same folder, read five times by `head -c 0` (a reader that leaves at once): the status is inspect's
+    verdict (1: a drifted checkpoint) each time, whether the reader left before or after the output was written."""
+    from test_newcomer import fake_output_dir
+
+    out = fake_output_dir(tmp_path, [(2, 1), (4, 3)])
+    line = f"{sys.executable} -m stepsync inspect {out} --json | head -c 0; echo ${{PIPESTATUS[0]}}"
+    statuses = [subprocess.run(["bash", "-c", line], capture_output=True, text=True).stdout.strip() for _ in range(5)]
+    assert statuses == ["1"] * 5
 
 
 @pytest.mark.reliability("bad_input")
@@ -287,8 +297,10 @@ def test_only_stepsyncs_own_errors_are_bad_input(monkeypatch, tmp_path, capsys):
         raise ValueError("a bug inside stepsync")
 
     monkeypatch.setattr(cli, "run_inspect", bug)
-    with pytest.raises(ValueError, match="a bug inside stepsync"):
-        cli.main(["inspect", str(tmp_path)])
+    assert cli.main(["inspect", str(tmp_path)]) == 3  # a status no verdict has: never "affected"
+    said = capsys.readouterr().err
+    assert "Traceback" in said and "ValueError: a bug inside stepsync" in said
+    assert said.strip().endswith("failed (a bug in stepsync, not in your run): the traceback above says where")
 
     def refused(args):
         raise AuditInputError("not an output folder: pass the one the Trainer wrote")
@@ -479,3 +491,15 @@ def test_a_resume_folder_that_does_not_exist_is_named_and_json_gets_its_error_as
     assert f"--resume-from {missing!r} does not exist: pass the checkpoint-N folder to resume" in proc.stderr
     said = json.loads(proc.stdout)
     assert said["exit_status"] == 2 and "does not exist" in said["error"]
+
+
+def test_the_readmes_exit_statuses_are_every_status_the_command_line_ends_with():
+    import re
+
+    from stepsync.tools import cli
+
+    readme = open(os.path.join(REPO, "README.md")).read()
+    table = readme[readme.index("| exit status | meaning |"):].split("\n\n", 1)[0]
+    documented = sorted(int(n) for n in re.findall(r"^\| (\d+) \|", table, re.M))
+    ends = sorted(value for name, value in vars(cli).items() if name.startswith("EXIT_"))
+    assert documented == ends == [0, 1, 2, 3, 130]
