@@ -96,6 +96,26 @@ DEEPSPEED_FEATURES = (
                "DeepSpeed 0.19.4 added managed_gradient_accumulation (false disables the boundary override)"),
 )
 
+# What the Trainer fills in a DeepSpeed config's "auto" values and refuses where the config contradicts its
+# TrainingArguments (HfTrainerDeepSpeedConfig, read in each release's integrations/deepspeed.py and
+# training_args.py); tests/integration/test_trainer_refusals.py holds stepsync.core.trainer_config against the real
+# Trainer's refusal on the stacks it runs on.
+TRAINER_CONFIG_FILL = (
+    ReleaseRow("transformers", None, "5.0.0", "apex_amp",
+               "fp16.enabled is matched with fp16 through torch amp, amp.enabled and amp.opt_level with apex's"),
+    ReleaseRow("transformers", "4.37.0", None, "auto_find_batch_size",
+               "auto_find_batch_size=True exempts the batch sizes from the match"),
+    ReleaseRow("transformers", "5.0.0", None, "warmup_steps_ratio",
+               "warmup_steps below 1 is a ratio of the training steps (warmup_ratio folded into it)"),
+    ReleaseRow("transformers", "5.18.0", None, "warmup_at_least_one", "warmup_num_steps is filled with at least 1"),
+)
+
+
+def trainer_config_fill(transformers: str) -> frozenset:
+    """The names of the :data:`TRAINER_CONFIG_FILL` rows that hold on ``transformers``."""
+    return frozenset(row.behaviour for row in TRAINER_CONFIG_FILL if row.covers(transformers))
+
+
 # Every transformers release the Trainer probe ran on (probes/results.json): only these are "measured".
 MEASURED_LIGHTNING = ("2.0.9", "2.2.5", "2.4.0", "2.6.6")  # stepsync.core.lightning_versions reads them
 MEASURED_TRANSFORMERS = (

@@ -23,15 +23,13 @@ from ..core.plan import RunPlan
 from ..core.record import TRAINER_STATE, load_record, read_json
 from ..core.relayout import Layout
 from ..core.tokens import trl_generation_scale
-from ..core.versions import Stack, behaviour_of, installed_version
+from ..core.versions import Stack, assumed_release, behaviour_of, installed_version
 from ..display.render import audit_view, forecast_view
 from ..engine.deepspeed import op_build_of
 from .arguments import policy_name, positive_epochs, positive_int
 from .audit import audit_output_dir
 from .config import (
-    deepspeed_config_from,
-    deepspeed_config_of,
-    from_training_args,
+    read_files,
     resolve,
     versions_for,
     weight_faults_of,
@@ -166,11 +164,17 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example: stepsync verify --deepspeed-config ds_config.json --gas 4 --json\n"
                "example: stepsync verify --deepspeed-config ds_config.json --gas 4 --world-size 2",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    verify.add_argument("--deepspeed-config", "--deepspeed", dest="deepspeed", metavar="FILE", required=True,
-                        help="your DeepSpeed JSON config (check's flag name; --deepspeed works too)")
-    verify.add_argument("--gas", type=positive_int, required=True, help="gradient_accumulation_steps")
-    verify.add_argument("--framework", choices=tuple(FRAMEWORK_CALLS), default="deepspeed",
-                        help="call backward as this framework does (default: a plain DeepSpeed loop)")
+    verify.add_argument("--deepspeed-config", "--deepspeed", dest="deepspeed", metavar="FILE",
+                        help="your DeepSpeed JSON config (check's flag name; --deepspeed works too); optional where "
+                             "--training-args names it")
+    verify.add_argument("--training-args", metavar="FILE",
+                        help="your TrainingArguments JSON (args.to_json_string()), as check reads it: its G, the "
+                             "DeepSpeed config it names, and the 'auto' values the Trainer fills from it")
+    verify.add_argument("--gas", type=positive_int,
+                        help="gradient_accumulation_steps (default: the --training-args', else the config's own)")
+    verify.add_argument("--framework", choices=tuple(FRAMEWORK_CALLS), default=None,
+                        help="call backward as this framework does (default: the Trainer with --training-args, "
+                             "else a plain DeepSpeed loop)")
     verify.add_argument("--world-size", type=positive_int, default=1,
                         help="measure on this many local processes (gloo): what only several ranks show")
     verify.add_argument("--verbose", action="store_true", help="show DeepSpeed's own output (on stderr)")
@@ -197,33 +201,30 @@ def run_check(args) -> int:
     if args.lightning and framework.releases != "lightning":
         raise ConfigInputError(f"--lightning {args.lightning} describes a Lightning run: add --framework lightning "
                                "(or fabric)")
-    training, deepspeed = None, None
-    if args.training_args:
-        data = read_json(args.training_args, "--training-args")
-        training = from_training_args(data, args.training_args)
-        deepspeed = deepspeed_config_of(data, args.training_args)
-    if args.deepspeed_config:
-        deepspeed = deepspeed_config_from(read_json(args.deepspeed_config, "--deepspeed-config"), args.deepspeed_config)
     flags = {"samples": args.samples, "micro_batches": args.micro_batches, "batch_size": args.batch_size,
              "world_size": args.world_size, "gas": args.gas, "epochs": args.epochs, "max_steps": args.max_steps,
              "drop_last": args.drop_last}
-    inputs = resolve(flags, training, deepspeed)
+    assumed: List[str] = []
+    versions = versions_for({p: getattr(args, p) for p in ("transformers", "accelerate", "deepspeed")}, assumed,
+                            framework.packages)
+    files = read_files(args.training_args, args.deepspeed_config, flags, versions["transformers"])
+    deepspeed = files.deepspeed
+    inputs = resolve(flags, files.training, files.agreeing)
     notes = list(inputs.notes)
     if args.training_args and deepspeed is None:
         notes.append(f"{args.training_args} names no DeepSpeed config: the forecast assumes the run uses DeepSpeed; "
                      "if it is launched with accelerate's DeepSpeed plugin, pass --deepspeed-config with the "
                      "plugin's config file")
-    versions = versions_for({p: getattr(args, p) for p in ("transformers", "accelerate", "deepspeed")}, notes,
-                            framework.packages)
+    notes += assumed
     stated = args.world_size is not None or inputs.world_size_inferred
     faults, certain = weight_faults_of(deepspeed, versions["deepspeed"], inputs.gradient_accumulation_steps,
                                        framework.backward_call, inputs.world_size if stated else None)
     notes += faults
     build = op_build_of(deepspeed)
     notes += [build] if build else []
-    if args.training_args:  # a TRL config's GRPO loss, against the installed TRL
-        scaled = trl_generation_scale(installed_version("trl"), data.get("loss_type"),
-                                      data.get("steps_per_generation"), inputs.gradient_accumulation_steps)
+    if files.arguments is not None:  # a TRL config's GRPO loss, against the installed TRL
+        scaled = trl_generation_scale(installed_version("trl"), files.arguments.get("loss_type"),
+                                      files.arguments.get("steps_per_generation"), inputs.gradient_accumulation_steps)
         notes += [scaled] if scaled else []
         certain = certain or bool(scaled)
     stage = args.zero_stage if args.zero_stage is not None else ((deepspeed or {}).get("zero_optimization") or {}).get(
@@ -238,6 +239,7 @@ def run_check(args) -> int:
                    inputs.max_steps, examples_per_epoch=inputs.samples,
                    zero_stage=stage if isinstance(stage, int) else None)
     result = forecast(plan, behaviour, args.policy)
+    files.refuse_what_the_trainer_refuses(inputs.world_size if stated else None, result.planned_steps)
     notes += list(result.behaviour.caveats)
     if args.resume_from:
         result.resume_shift = resume_of(args.resume_from, inputs, behaviour)
@@ -300,14 +302,26 @@ def run_inspect(args) -> int:
 
 
 def run_verify(args) -> int:
-    config = deepspeed_config_from(read_json(args.deepspeed, "--deepspeed-config"), args.deepspeed)
-    measuring_config(config, args.gas, args.world_size)  # what it refuses is said before anything else
+    # what it refuses is said before anything else, as check says it
+    transformers = installed_version("transformers") or assumed_release("transformers")
+    files = read_files(args.training_args, args.deepspeed, {"gas": args.gas}, transformers)
+    if files.deepspeed is None:
+        raise ConfigInputError((f"{args.training_args} names no DeepSpeed config: " if args.training_args else "")
+                               + "pass your DeepSpeed config as --deepspeed-config FILE")
+    files.refuse_what_the_trainer_refuses()
+    config = files.deepspeed
+    gas = args.gas or (files.training or {}).get("gas") or config.get("gradient_accumulation_steps")
+    if not isinstance(gas, int) or isinstance(gas, bool):
+        raise ConfigInputError("gradient_accumulation_steps is not given: pass --gas, or a --training-args or "
+                               "--deepspeed-config file that sets it")
+    framework = args.framework or ("trainer" if args.training_args else "deepspeed")
+    measuring_config(config, gas, args.world_size)
     missing = [p for p in ("torch", "deepspeed") if installed_version(p) is None]
     if missing:
         print(f"stepsync: error: stepsync verify runs DeepSpeed: it needs {', '.join(missing)}: {INSTALL_TRAINING}",
               file=sys.stderr)
         return EXIT_BAD_INPUT
-    code = verify_command(config, args.gas, args.json, args.framework, args.world_size, args.verbose)
+    code = verify_command(config, gas, args.json, framework, args.world_size, args.verbose)
     end_after_a_process_group(code)
     return code
 

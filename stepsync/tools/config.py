@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..core.errors import ConfigInputError
 from ..core.frameworks import BackwardCall
 from ..core.record import read_json
+from ..core.trainer_config import trainer_fill
 from ..core.versions import NEWEST, assumed_release, installed_version
 from ..core.weights import Accumulation, weight_faults
 
@@ -148,6 +149,57 @@ def deepspeed_config_of(data: Dict[str, Any], base: str) -> Optional[Dict[str, A
         named = "the DeepSpeed config named by 'deepspeed'"
         return deepspeed_config_from(read_json(os.path.join(os.path.dirname(base), value), named), named)
     return None
+
+
+@dataclass(frozen=True)
+class ConfigFiles:
+    """What ``check`` and ``verify`` read from ``--training-args`` and ``--deepspeed-config``.
+
+    ``training``: the values the forecast needs; ``arguments``: the TrainingArguments JSON with the flags that
+    override it; ``deepspeed``: the DeepSpeed config as the Trainer runs it (``"auto"`` filled from the
+    TrainingArguments where they are given); ``agreeing``: the same with every value the Trainer refuses replaced by
+    its own (the run once the user fixes them); ``given``: the DeepSpeed config as written.
+    """
+
+    source: str
+    transformers: str
+    training: Optional[Dict[str, Any]] = None
+    arguments: Optional[Dict[str, Any]] = None
+    given: Optional[Dict[str, Any]] = None
+    deepspeed: Optional[Dict[str, Any]] = None
+    agreeing: Optional[Dict[str, Any]] = None
+
+    def refuse_what_the_trainer_refuses(self, world_size: Optional[int] = None,
+                                        training_steps: Optional[int] = None) -> None:
+        """Raise naming every DeepSpeed value the Trainer of ``transformers`` refuses at its start (it starts with the
+        steps planned, ``training_steps``, on ``world_size`` ranks: where one is None, what needs it is left alone)."""
+        if self.arguments is None or self.given is None:
+            return
+        fill = trainer_fill(self.given, self.arguments, self.transformers, world_size, training_steps)
+        if fill.mismatches:
+            raise ConfigInputError(fill.refusal(f"the TrainingArguments in {self.source}"))
+
+
+def read_files(training_args: Optional[str], deepspeed: Optional[str], flags: Dict[str, Any],
+               transformers: str) -> ConfigFiles:
+    """Read the ``--training-args`` and ``--deepspeed-config`` files (either may be None); ``flags`` override the
+    TrainingArguments' batch size and G as they override them in the forecast."""
+    if training_args is None:
+        given = None if deepspeed is None else deepspeed_config_from(read_json(deepspeed, "--deepspeed-config"),
+                                                                     deepspeed)
+        return ConfigFiles(deepspeed or "", transformers, given=given, deepspeed=given, agreeing=given)
+    data = read_json(training_args, "--training-args")
+    training = from_training_args(data, training_args)
+    given = (deepspeed_config_from(read_json(deepspeed, "--deepspeed-config"), deepspeed) if deepspeed else
+             deepspeed_config_of(data, training_args))
+    arguments = dict(data)
+    for flag, field in (("batch_size", "per_device_train_batch_size"), ("gas", "gradient_accumulation_steps")):
+        if flags.get(flag) is not None:
+            arguments[field] = flags[flag]
+    if given is None:
+        return ConfigFiles(training_args, transformers, training, arguments)
+    fill = trainer_fill(given, arguments, transformers, flags.get("world_size"))
+    return ConfigFiles(training_args, transformers, training, arguments, given, fill.config, fill.agreeing)
 
 
 def resolve(flags: Dict[str, Any], training_args: Optional[Dict[str, Any]] = None,

@@ -149,7 +149,7 @@ TESTS = {
     "t457": (*FOCUSED_TESTS, "tests/integration/test_skipped_updates.py",
              "tests/integration/test_non_finite_updates.py", "tests/multiprocess/test_non_finite_on_two_ranks.py",
              "tests/integration/test_verify.py", "tests/integration/test_weight_faults.py",
-             "tests/integration/test_output_hooks.py"),
+             "tests/integration/test_output_hooks.py", "tests/integration/test_trainer_refusals.py"),
     # DeepSpeed 0.18.3 divides the Trainer's loss again: the fault, its forecast and its repair by sync.
     "d183": ("tests/integration/test_support.py", "tests/integration/test_output_hooks.py",
              "tests/integration/test_verify.py"),

@@ -167,7 +167,8 @@ def test_check_names_the_output_hook_faults_for_the_frameworks_call(tmp_path, de
     ('{"gradient_accumulation_steps": "two"}', None, "must be a whole number"),
     ('{"gradient_accumulation_steps": 2, "num_train_epochs": 0}', None, "num_train_epochs must be > 0"),
     ('{"gradient_accumulation_steps": 2, "dataloader_drop_last": "yes"}', None, "must be true or false"),
-    ('{"gradient_accumulation_steps": 2}', '{"gradient_accumulation_steps": 4}', "set gradient_accumulation_steps to \"auto\""),
+    ('{"gradient_accumulation_steps": 2}', '{"gradient_accumulation_steps": 4}',
+     "- ds gradient_accumulation_steps=4 vs hf gradient_accumulation_steps=2\nset each to \"auto\""),
     ('{"gradient_accumulation_steps": 2}', '{"train_batch_size": 3}', "is not a multiple of"),
     ('{"gradient_accumulation_steps": 2}', '{"train_batch_size": "many"}', "must be a whole number"),
     ('{"gradient_accumulation_steps": 2, "deepspeed": "missing.json"}', None, "does not exist"),
@@ -503,3 +504,80 @@ def test_the_readmes_exit_statuses_are_every_status_the_command_line_ends_with()
     documented = sorted(int(n) for n in re.findall(r"^\| (\d+) \|", table, re.M))
     ends = sorted(value for name, value in vars(cli).items() if name.startswith("EXIT_"))
     assert documented == ends == [0, 1, 2, 3, 130]
+
+
+def flags_of(command):
+    from stepsync.tools import cli
+
+    parser = cli.build_parser()._subparsers._group_actions[0].choices[command]
+    return {flag for action in parser._actions for flag in action.option_strings}
+
+
+@pytest.mark.reliability("bad_input")
+def test_check_refuses_what_the_trainer_refuses_naming_each_key_and_both_values(tmp_path):
+    """TrainingArguments with bf16=false and lr 5e-05, a DeepSpeed config with bf16 on and lr 1e-3: the Trainer
+    refuses to start (tests/integration/test_trainer_refusals.py holds the words against it); check did say
+    'aligned'."""
+    args = write(tmp_path, "args.json", json.dumps({"output_dir": "out", "per_device_train_batch_size": 1,
+                                                    "gradient_accumulation_steps": 2, "num_train_epochs": 2,
+                                                    "bf16": False, "learning_rate": 5e-05}))
+    ds = write(tmp_path, "ds.json", json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 0},
+                                                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}))
+    for transformers in ("5.24.0", "4.57.6"):
+        proc = stepsync("check", "--samples", "13", "--epochs", "2", "--training-args", args, "--deepspeed-config",
+                        ds, "--transformers", transformers, "--accelerate", "1.16.0", "--deepspeed", "0.19.8")
+        assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+        assert "the Trainer refuses to start with these DeepSpeed config values, which contradict the " \
+               f"TrainingArguments in {args}:" in proc.stderr
+        assert "- ds optimizer.params.lr=0.001 vs hf learning_rate=5e-05\n" in proc.stderr
+        assert "- ds bf16.enabled=True vs hf bf16|bf16_full_eval=False\n" in proc.stderr
+
+
+def test_the_trainers_auto_values_are_filled_before_the_weight_rows_are_read(tmp_path):
+    """bf16 "auto" with TrainingArguments bf16=true is a bf16 run: DeepSpeed 0.18.9's bf16 optimizer fault (ZeRO-1,
+    fp32 accumulation, two ranks) is named as for a config that says bf16 itself."""
+    args = write(tmp_path, "args.json", json.dumps({"output_dir": "out", "per_device_train_batch_size": 1,
+                                                    "gradient_accumulation_steps": 2, "bf16": True}))
+    ds = write(tmp_path, "ds.json", json.dumps({"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 1},
+                                                "data_types": {"grad_accum_dtype": "fp32"}}))
+    proc = stepsync("check", "--samples", "8", "--world-size", "2", "--training-args", args, "--deepspeed-config",
+                    ds, "--transformers", "5.24.0", "--accelerate", "1.16.0", "--deepspeed", "0.18.9", "--json")
+    assert proc.returncode == 1 and any("0.18.9" in note and "bf16" in note for note in json.loads(proc.stdout)["notes"])
+
+
+@pytest.mark.reliability("bad_input")
+def test_verify_takes_checks_file_flags_and_every_hint_names_a_flag_it_has(tmp_path):
+    args = write(tmp_path, "args.json", json.dumps({"output_dir": "out", "per_device_train_batch_size": 1,
+                                                    "gradient_accumulation_steps": 4}))
+    ds = write(tmp_path, "ds.json", json.dumps({"zero_optimization": {"stage": 0}, "bf16": {"enabled": True}}))
+    assert {"--training-args", "--deepspeed-config"} <= flags_of("verify") & flags_of("check")
+    said = []
+    for line in (["--deepspeed-config", args, "--gas", "4"], ["--training-args", args],
+                 ["--training-args", args, "--deepspeed-config", ds], ["--deepspeed-config", ds]):
+        proc = stepsync("verify", *line)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        said.append(proc.stderr)
+    assert "is TrainingArguments: pass it as --training-args" in said[0]
+    assert "names no DeepSpeed config: pass your DeepSpeed config as --deepspeed-config FILE" in said[1]
+    assert "- ds bf16.enabled=True vs hf bf16|bf16_full_eval=False" in said[2]
+    assert "gradient_accumulation_steps is not given: pass --gas" in said[3]
+    import re
+
+    named = {flag for text in said for flag in re.findall(r"(--[a-z][a-z-]+)", text)}
+    assert named and named <= flags_of("verify"), named - flags_of("verify")
+
+
+def test_verify_reads_g_from_the_training_arguments(tmp_path):
+    """Without --gas, the TrainingArguments' G (4): verify goes as far as this environment lets it (torch is
+    needed to train) with nothing refused."""
+    args = write(tmp_path, "args.json", json.dumps({"output_dir": "out", "per_device_train_batch_size": 1,
+                                                    "gradient_accumulation_steps": 4}))
+    ds = write(tmp_path, "ds.json", json.dumps({"zero_optimization": {"stage": 0},
+                                                "gradient_accumulation_steps": "auto"}))
+    from stepsync.tools import cli
+
+    parsed = cli.build_parser().parse_args(["verify", "--training-args", args, "--deepspeed-config", ds])
+    assert parsed.gas is None and parsed.framework is None
+    if importlib.util.find_spec("torch") is None:
+        proc = stepsync("verify", "--training-args", args, "--deepspeed-config", ds)
+        assert proc.returncode == 2 and "stepsync verify runs DeepSpeed: it needs" in proc.stderr, proc.stderr
