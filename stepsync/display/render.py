@@ -1,14 +1,16 @@
 """Rich renderables built from stepsync's data; nothing here computes counts or prints globally.
 
-Everything fits 80 columns, the width rich gives a pipe or a log file: short two-line headers, columns
-that would stay empty left out, and sentences as wrapping text, never as table cells that rich would cut.
+Short two-line headers, columns that would stay empty left out, and sentences as wrapping text, never as table
+cells that rich would cut; :func:`print_view` prints a view into a pipe or a log file with no word broken.
 """
 from __future__ import annotations
 
+import textwrap
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 from rich import box
-from rich.console import Group, JustifyMethod
+from rich.console import Console, Group, JustifyMethod
+from rich.measure import Measurement
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -17,12 +19,53 @@ from ..core.prediction import EpochForecast, Forecast
 from ..core.report import DriftEvent, SyncReport
 
 
+def print_view(console: Console, view: Any) -> None:
+    """Print ``view`` (a renderable, or a Group of them) on ``console``. Where the console is not a terminal (a pipe,
+    a log file) nothing is cut: a table takes the width its cells need, and text wraps at the console's width on
+    spaces only, never inside a word or a path."""
+    if console.is_terminal:
+        console.print(view)
+        return
+    for part in view.renderables if isinstance(view, Group) else [view]:
+        if isinstance(part, Group):
+            print_view(console, part)
+        elif isinstance(part, Table):
+            console.print(_fitted(console, part), crop=False)
+        elif isinstance(part, Text):
+            lines = [textwrap.fill(line, console.width, break_long_words=False, break_on_hyphens=False)
+                     for line in part.plain.splitlines() or [""]]
+            console.print(Text("\n".join(lines), style=part.style), soft_wrap=True)
+        else:
+            console.print(part)
+
+
+def _fitted(console: Console, table: Table) -> Table:
+    """``table`` with each column as wide as its cells need, narrowed (the widest first, down to its longest word)
+    until it fits the console: wider than the console only where its words need it. Rich alone narrows the widest
+    columns below their longest word and cuts it."""
+    wide = console.options.update(width=10 ** 6)
+    ranges = [[Measurement.get(console, wide, cell) for cell in (column.header, *column.cells)]
+              for column in table.columns]
+    narrowest = [max(m.minimum for m in cells) for cells in ranges]
+    widths = [max(m.maximum for m in cells) for cells in ranges]
+    around = Measurement.get(console, wide, table).maximum - sum(widths)  # padding and edges
+    if sum(widths) + around <= console.width:
+        return table
+    while sum(widths) + around > console.width and any(w > n for w, n in zip(widths, narrowest)):
+        widest = max((w, i) for i, (w, n) in enumerate(zip(widths, narrowest)) if w > n)[1]
+        widths[widest] -= 1
+    for column, width in zip(table.columns, widths):
+        column.width = width
+    table.width = max(console.width, sum(widths) + around)
+    return table
+
+
 def _drift_text(drift: int) -> Text:
     return Text(f"{drift:+d}", style="bold red" if drift else "green")
 
 
 def _table(title: Optional[str], headers: Sequence[str], rows: List[list], justify: JustifyMethod = "right") -> Table:
-    table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), title_justify="left")
+    table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), title_justify="left")
     for header in headers:
         table.add_column(header, justify=justify, no_wrap=False, overflow="fold")
     for row in rows:
@@ -152,24 +195,39 @@ def summary_view(report: SyncReport) -> Panel:
 
 
 def audit_view(audit) -> Group:
-    """``stepsync inspect``: one row per checkpoint, then every message and the verdict."""
-    rows = []
-    messages = []
-    for item in audit.checkpoints:
-        record = item.record
-        damaged = len(item.problems) > item.node_local  # a node's own copy misses only its 'latest'
-        status = Text("ok", style="green") if item.ok else Text(
-            "BROKEN" if damaged else "MISMATCH" if item.mismatches else "NO LATEST", style="bold red")
-        tag = item.deepspeed_tag or (f"(global_step{item.deepspeed_step})" if item.deepspeed_step is not None else "-")
-        if item.loop and item.deepspeed_step is not None:  # a loop's tag names no step: its files do
-            tag = f"step {item.deepspeed_step}"
-        rows.append([item.name, "?" if item.trainer_state_step is None else str(item.trainer_state_step),
-                     tag, f"{record.trainer_steps}/{record.engine_steps}" if record else "-",
-                     _drift_text(item.drift) if item.drift is not None else Text("?"), status])
-        messages += item.mismatches + item.problems
-    table = _table(f"stepsync inspect: {audit.output_dir}",
-                   ["checkpoint", "trainer_state\nglobal_step", "DeepSpeed\nlatest", "stepsync record\nTrainer/engine",
-                    "drift",
-                    "status"], rows, justify="left")
+    """``stepsync inspect``: one row per checkpoint with the columns its layout has, then what the checkpoints hold
+    on purpose, each finding once (with the checkpoints that have it), each broken file, and the verdict."""
+    items = audit.checkpoints
+    columns: List[Tuple[str, Callable[[Any], Any]]] = [("checkpoint", lambda item: item.name)]
+    if all(item.loop for item in items):  # accelerator.save_state: the loop's count is stepsync's record
+        columns += [("your loop's\nupdates", lambda item: str(item.record.trainer_steps) if item.record else "?"),
+                    ("DeepSpeed\nstep", lambda item: "?" if item.deepspeed_step is None else str(item.deepspeed_step))]
+    else:
+        columns += [("trainer_state\nglobal_step", lambda item: "?" if item.trainer_state_step is None
+                     else str(item.trainer_state_step)), ("DeepSpeed\nlatest", _tag_cell)]
+        if any(item.record for item in items):
+            columns.append(("stepsync record\nTrainer/engine", lambda item: f"{item.record.trainer_steps}/"
+                            f"{item.record.engine_steps}" if item.record else "-"))
+    if any(item.unapplied_at_save for item in items):
+        columns.append(("open\nwindow", lambda item: str(item.unapplied_at_save)))
+    columns += [("drift", lambda item: Text("?") if item.drift is None else _drift_text(item.drift)),
+                ("status", _status_cell)]
+    rows = [[cell(item) for _, cell in columns] for item in items]
+    table = _table(None, [header for header, _ in columns], rows, justify="left")
     verdict = Text(audit.verdict(), style="green" if audit.ok else "bold yellow")
-    return Group(table, *_notes(messages, "red"), verdict)
+    return Group(Text(f"stepsync inspect: {audit.output_dir}", style="italic"), table, *_notes(audit.on_purpose()),
+                 *_notes(audit.findings_once(), "red"), *_notes([p for item in items for p in item.problems], "red"),
+                 verdict)
+
+
+def _tag_cell(item) -> str:
+    if item.deepspeed_tag:
+        return item.deepspeed_tag
+    return "-" if item.deepspeed_step is None else f"(global_step{item.deepspeed_step})"
+
+
+def _status_cell(item) -> Text:
+    if item.ok:
+        return Text("ok", style="green")
+    damaged = len(item.problems) > item.node_local  # a node's own copy misses only its 'latest'
+    return Text("BROKEN" if damaged else "MISMATCH" if item.findings else "NO LATEST", style="bold red")

@@ -12,13 +12,14 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import asdict, dataclass, field, replace
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from ..core import record as checkpoint
 from ..core.errors import AuditInputError
 from ..core.frameworks import ACCELERATE_LOOP, FRAMEWORKS, TRAINER, Framework
 from ..core.record import ResumeRecord, rng_state_ranks
 from .archives import archive_problem, int_in_pickle
+from .audit_words import ADJUSTED, EXPLAINED, SEVERAL, Mismatch, listed
 from .storage import Located, checkpoints_under, locate
 
 _TAG = re.compile(r"^global_step(\d+)$")
@@ -46,7 +47,7 @@ class CheckpointAudit:
         num_train_epochs: the epochs the run planned (``trainer_state.json``).
         loop: a custom loop's ``accelerator.save_state`` folder: ``trainer_step`` is the loop's count in stepsync's
             record (without one it is not known, and neither is the drift).
-        mismatches: counts that disagree; problems: missing, partial or corrupt files.
+        findings: counts that disagree (:attr:`mismatches` in words); problems: missing, partial or corrupt files.
     """
 
     name: str
@@ -63,12 +64,31 @@ class CheckpointAudit:
     universal: bool = False
     num_train_epochs: Optional[int] = None
     loop: bool = False
-    mismatches: List[str] = field(default_factory=list)
+    findings: List[Mismatch] = field(default_factory=list)
     problems: List[str] = field(default_factory=list)
 
     @property
+    def mismatches(self) -> List[str]:
+        """Each finding as a sentence of its own: this checkpoint's numbers, then what it means and the fix."""
+        return [f"{self.name} {found.detail}: {EXPLAINED[found.kind]}" for found in self.findings]
+
+    @property
     def ok(self) -> bool:
-        return not self.mismatches and not self.problems
+        return not self.findings and not self.problems
+
+    @property
+    def unapplied_at_save(self) -> int:
+        """Micro-batches in DeepSpeed's open window at the save (stepsync's record; 0 without one)."""
+        return self.record.unapplied_at_save if self.record is not None else 0
+
+    @property
+    def adjusted_by(self) -> Optional[str]:
+        """The policy that wrote a ``global_step`` other than the folder's into trainer_state.json on purpose (the
+        step that lands the Trainer's resume on the next untrained micro-batch), or None."""
+        record, state = self.record, self.trainer_state_step
+        if record is None or state is None or state == self.trainer_step or record.resume_steps != state:
+            return None
+        return record.policy
 
     @property
     def counted(self) -> int:
@@ -88,9 +108,10 @@ class CheckpointAudit:
         return self.counted - self.deepspeed_step
 
     def to_dict(self) -> dict:
-        data = asdict(replace(self, record=None))
-        del data["record"]
-        return {**data, "drift": self.drift, "ok": self.ok,
+        data = asdict(replace(self, record=None, findings=[]))
+        del data["record"], data["findings"]
+        return {**data, "mismatches": self.mismatches, "drift": self.drift, "ok": self.ok,
+                "unapplied_at_save": self.unapplied_at_save, "adjusted_by": self.adjusted_by,
                 "stepsync_record": self.record.to_dict() if self.record else None}
 
 
@@ -111,13 +132,36 @@ class OutputAudit:
     def verdict(self) -> str:
         safe = self.safe
         bad = [c.name for c in self.checkpoints if not c.ok]
-        head = f"{len(bad)} of {len(self.checkpoints)} checkpoint(s) need attention ({', '.join(bad)}); " if bad else ""
+        head = (f"{len(bad)} of {len(self.checkpoints)} checkpoint(s) need attention: {listed(bad, counted=False)}; "
+                if bad else "")
         if safe is None:
             return head + "no checkpoint is safe to resume from: each one carries drift or missing files into a resume"
         inherits = (f"a resume inherits drift {safe.drift:+d}" if safe.drift is not None else
                     "saved without stepsync: the loop's count is not kept there" if safe.loop else
                     "no DeepSpeed files: no engine count to compare")
         return head + f"safe to resume from: {safe.name} ({inherits})"
+
+    def findings_once(self) -> List[str]:
+        """Each kind of finding once: one checkpoint's in full, several checkpoints' named together (their numbers
+        are in the table), with the explanation and the fix."""
+        said = []
+        for kind in EXPLAINED:
+            having = [(item, found) for item in self.checkpoints for found in item.findings if found.kind == kind]
+            if len(having) == 1:
+                item, found = having[0]
+                said.append(f"{item.name} {found.detail}: {EXPLAINED[kind]}")
+            elif having:
+                said.append(f"{listed([item.name for item, _ in having])} {SEVERAL[kind]}: {EXPLAINED[kind]}")
+        return said
+
+    def on_purpose(self) -> List[str]:
+        """What differs on purpose, once per policy: a trainer_state.json step that stepsync wrote (realign and
+        drop_last) beside the folder's own number."""
+        adjusted: Dict[str, List[str]] = {}
+        for item in self.checkpoints:
+            if item.adjusted_by:
+                adjusted.setdefault(item.adjusted_by, []).append(item.name)
+        return [f"{listed(names)} (policy '{policy}'): {ADJUSTED}" for policy, names in adjusted.items()]
 
     def to_dict(self) -> dict:
         safe = self.safe
@@ -221,16 +265,16 @@ def _audit_loop(located: Located, verify_data: bool) -> CheckpointAudit:
     if record is None:
         return audit
     if record.trainer_steps != located.step:
-        audit.mismatches.append(
-            f"{name} holds DeepSpeed's step {located.step}: your loop counted {record.trainer_steps} updates "
-            f"(drift {audit.drift:+d}); a resume inherits it: use stepsync.watch(accelerator, policy='sync') from the "
-            "start, or accelerate >= 1.8.0")
-    if record.unapplied_at_save:
-        audit.mismatches.append(
-            f"{name} was saved with {record.unapplied_at_save} micro-batch(es) in DeepSpeed's open window: DeepSpeed "
-            "saves neither their gradients nor its micro-step counter, so a resume loses them; resume from a "
-            "checkpoint saved where accelerator.sync_gradients was true")
+        audit.findings.append(Mismatch("loop_count", f"holds DeepSpeed's step {located.step}: your loop counted "
+                                                     f"{record.trainer_steps} updates (drift {audit.drift:+d})"))
+    _check_open_window(audit)
     return audit
+
+
+def _check_open_window(audit: CheckpointAudit) -> None:
+    if audit.unapplied_at_save:
+        audit.findings.append(Mismatch("open_window", f"was saved with {audit.unapplied_at_save} micro-batch(es) in "
+                                                      "DeepSpeed's open window"))
 
 
 def _read_trainer_state(audit: CheckpointAudit) -> None:
@@ -305,15 +349,10 @@ def _without_latest(audit: CheckpointAudit, entries: List[str], verify_data: boo
 
 def _compare_steps(audit: CheckpointAudit) -> None:
     if audit.deepspeed_step != audit.counted:
-        tag = f"global_step{audit.deepspeed_step}"
-        audit.mismatches.append(
-            f"{audit.name} holds DeepSpeed's {tag}: the Trainer counted {audit.counted} updates, the engine "
-            f"made {audit.deepspeed_step} (drift {audit.drift:+d}: the folder is named by the Trainer's count, the "
-            "tag by the engine's, as in DeepSpeed's issue #7405); "
-            "a resume inherits it: resume with StepSyncCallback(policy='realign'), which adopts the engine's count "
-            "(the run then ends at the engine's last update, with fewer updates than planned and the micro-batches "
-            "after it untrained, both said), or with policy='sync', which keeps this drift and adds none; use "
-            "policy='sync' from the start")
+        audit.findings.append(Mismatch(
+            "named_by_the_trainer", f"holds DeepSpeed's global_step{audit.deepspeed_step}: the Trainer counted "
+                                    f"{audit.counted} updates, the engine made {audit.deepspeed_step} "
+                                    f"(drift {audit.drift:+d})"))
 
 
 def _read_tag_folder(audit: CheckpointAudit, entries: List[str], verify_data: bool, tag: str = "") -> None:
@@ -356,11 +395,10 @@ def _check_record(audit: CheckpointAudit) -> None:
     record = audit.record
     state_step = audit.trainer_state_step
     if state_step is not None and audit.counted == state_step != audit.trainer_step:  # unexplained by a record
-        audit.mismatches.append(
-            f"{audit.name}: its name says step {audit.trainer_step} but its trainer_state.json says global_step "
-            f"{state_step}: the folder was renamed or copied. A resume from it carries {state_step}; "
-            "transformers' get_last_checkpoint picks folders by their name: give it back its name "
-            f"checkpoint-{state_step}")
+        audit.findings.append(Mismatch(
+            "renamed", f"is named for step {audit.trainer_step} but its trainer_state.json says global_step "
+                       f"{state_step}, which a resume from it carries (its name: checkpoint-{state_step})"))
     if record is not None and audit.deepspeed_step is not None and record.engine_steps != audit.deepspeed_step:
-        audit.mismatches.append(f"{audit.name}: stepsync recorded engine step {record.engine_steps}, DeepSpeed's tag "
-                                f"is {audit.deepspeed_tag}")
+        audit.findings.append(Mismatch("record_and_tag", f"has stepsync's record of engine step {record.engine_steps} "
+                                                         f"beside DeepSpeed's tag {audit.deepspeed_tag}"))
+    _check_open_window(audit)

@@ -24,7 +24,7 @@ from ..core.record import TRAINER_STATE, load_record, read_json
 from ..core.relayout import Layout
 from ..core.tokens import trl_generation_scale
 from ..core.versions import Stack, assumed_release, behaviour_of, installed_version
-from ..display.render import audit_view, forecast_view
+from ..display.render import audit_view, forecast_view, print_view
 from ..engine.deepspeed import op_build_of
 from .arguments import policy_name, positive_epochs, positive_int
 from .audit import audit_output_dir
@@ -253,7 +253,7 @@ def run_check(args) -> int:
         data["notes"] = notes
         print(json.dumps(data))
     else:
-        Console().print(forecast_view(result, notes))
+        print_view(Console(), forecast_view(result, notes))
     return EXIT_ALIGNED if result.sound and not certain else EXIT_DRIFTS
 
 
@@ -290,7 +290,7 @@ def run_inspect(args) -> int:
                                                  "safe_to_resume_on_world_size": here} if resumes else {})}))
     else:
         console = Console()
-        console.print(audit_view(audit))
+        print_view(console, audit_view(audit))
         for resume in resumes:
             for line in resume.lines():
                 console.print(line, style="green" if resume.works else "bold yellow", highlight=False)

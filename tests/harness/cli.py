@@ -33,6 +33,13 @@ def stepsync(*args, columns: Optional[int] = None, env: Optional[Dict[str, str]]
     return subprocess.CompletedProcess(["stepsync", *args], code, stdout.getvalue(), stderr.getvalue())
 
 
+def cut_lines(text: str):
+    """Lines rich cut (an ellipsis), or that run past 80 columns where they could have wrapped (a word or path longer
+    than a line stands alone on its own; a table as wide as its words need is not cut)."""
+    return [line for line in text.splitlines()
+            if "…" in line or len(line) > 80 and " " in line.strip() and "  " not in line.strip()]
+
+
 def stepsync_process(*args, **options):
     """``python -m stepsync ARGS`` in a child process (stdout and stderr captured as text)."""
     options.setdefault("timeout", 120)

@@ -77,7 +77,8 @@ class Recording:
     """What the real run did, recorded independently of stepsync, one entry per micro-batch.
 
     ``checks`` lists ``(where, Trainer count, engine count)`` at train begin, every step end and every epoch
-    end, as stepsync checks them; ``saves`` both counts at every save; ``logs`` every log record of this
+    end, as stepsync checks them; ``saves`` both counts at every save (``saved_after``: the micro-batches trained by
+    then); ``logs`` every log record of this
     run with the engine's count after the last micro-batch before it.
     """
 
@@ -89,6 +90,7 @@ class Recording:
     engine_at_start: Optional[int] = 0
     checks: List[tuple] = field(default_factory=list)
     saves: List[tuple] = field(default_factory=list)
+    saved_after: List[int] = field(default_factory=list)  # the micro-batches trained at each save
     logs: List[tuple] = field(default_factory=list)
     history_at_start: int = 0  # log records the state held when training began (a resumed checkpoint's)
 
@@ -134,6 +136,7 @@ def recorder(trainer_ref: list, recording: Recording):
 
         def on_save(self, args, state, control, **kwargs):
             recording.saves.append((state.global_step, getattr(self._engine(), "global_steps", None)))
+            recording.saved_after.append(len(recording.engine_steps))
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             engine = recording.engine_steps[-1] if recording.engine_steps else recording.engine_at_start

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from harness.stack import DRIFTS, needs_stack
-from harness.cli import stepsync
+from harness.cli import cut_lines, stepsync
 from harness.runs import run
 
 pytestmark = [needs_stack, pytest.mark.integration]
@@ -39,6 +39,13 @@ def run_dirs(tmp_path_factory):
     return base
 
 
+@pytest.fixture(scope="module")
+def realigned(tmp_path_factory):
+    """A realign run, N=5, G=2, 3 epochs, a checkpoint at every update, with its independent recording."""
+    base = tmp_path_factory.mktemp("realigned")
+    return base, run(base, 5, 2, 3, policy="realign", save_strategy="steps", save_steps=1)
+
+
 def inspect(path):
     proc = stepsync("inspect", str(path), "--json")
     assert "Traceback" not in proc.stderr
@@ -64,6 +71,37 @@ def test_inspect_a_run_with_a_remedy(run_dirs, name, last):
     code, data = inspect(run_dirs / name)
     assert code == 0 and data["ok"] and data["safe_to_resume"] == last
     assert all(c["stepsync_record"]["trainer_steps"] == c["trainer_step"] for c in data["checkpoints"])
+
+
+def test_inspect_of_a_drifting_run_says_each_explanation_once_and_breaks_no_word(run_dirs):
+    """The table view in a pipe: every name and path whole, and the drift's explanation once for all the checkpoints
+    that have it (it was printed again for each one)."""
+    proc = stepsync("inspect", str(run_dirs / "plain"), columns=80)
+    assert cut_lines(proc.stdout) == [] and str(run_dirs / "plain") in proc.stdout.split()
+    flat = " ".join(proc.stdout.split())
+    assert flat.count("DeepSpeed's issue #7405") == (1 if DRIFTS else 0)
+    if DRIFTS:
+        assert "checkpoint-2, checkpoint-3, checkpoint-4 hold DeepSpeed tags other than the Trainer's count" in flat
+    # saved without stepsync: no record to show, and no open window known
+    assert "trainer_state" in flat and "Trainer/engine" not in flat and "open window" not in flat
+
+
+def test_inspect_of_a_realign_run_says_what_differs_on_purpose_and_what_a_save_lost(realigned):
+    """realign writes into trainer_state.json the step that lands the Trainer's resume (not the folder's number):
+    said once, as meant. A checkpoint saved inside the engine's window loses its micro-batches on resume: not safe,
+    with the number the truth gives (micro-batches since the engine's last update at each save)."""
+    out, result = realigned
+    code, data = inspect(out)
+    recording = result.recording
+    lost = [at - max([e for e in recording.engine_updates_at if e <= at] or [0]) for at in recording.saved_after]
+    assert [c["unapplied_at_save"] for c in data["checkpoints"]] == lost
+    assert [c["ok"] for c in data["checkpoints"]] == [n == 0 for n in lost]
+    assert (code == 1) == any(lost) == DRIFTS
+    adjusted = [c["name"] for c in data["checkpoints"] if c["trainer_state_step"] != c["trainer_step"]]
+    assert [c["name"] for c in data["checkpoints"] if c["adjusted_by"] == "realign"] == adjusted
+    flat = " ".join(stepsync("inspect", str(out), columns=80).stdout.split())
+    assert flat.count("differs from the folder's number on purpose") == (1 if adjusted else 0)
+    assert flat.count("DeepSpeed saves neither their gradients nor its micro-step counter") == (1 if any(lost) else 0)
 
 
 def corrupt(run_dirs, tmp_path, how):

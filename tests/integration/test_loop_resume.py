@@ -148,11 +148,27 @@ def test_inspect_reads_a_loops_folders_for_what_they_hold(saved):
     mid_window = {item.name: item for item in audit_output_dir(str(out / "every")).checkpoints}["step_4"]
     assert mid_window.drift == 0 and mid_window.mismatches == [
         "step_4 was saved with 2 micro-batch(es) in DeepSpeed's open window: DeepSpeed saves neither their gradients "
-        "nor its micro-step counter, so a resume loses them; resume from a checkpoint saved where "
-        "accelerator.sync_gradients was true"]
+        "nor its micro-step counter, so a resume loses them: resume from a checkpoint saved with none in its open "
+        "window, and save only where windows close from the start: policy='sync' (StepSyncCallback, or "
+        "stepsync.watch(accelerator, policy='sync')), or accelerate >= 1.8.0"]
     plain = audit_output_dir(str(out / "plain"))
     assert [item.drift for item in plain.checkpoints] == [None] * len(runs["plain"].saved)
     assert plain.verdict().endswith("(saved without stepsync: the loop's count is not kept there)")
+
+
+def test_inspect_shows_a_loops_folders_in_the_loops_columns(saved):
+    """A loop's save_state folders have no trainer_state.json: the view shows the loop's count, DeepSpeed's step and
+    the open window, never the Trainer's columns; each finding's explanation once."""
+    from harness.cli import stepsync
+
+    out, runs = saved
+    proc = stepsync("inspect", str(out / "warn"), columns=80)
+    header = proc.stdout.split("─")[0].split()
+    assert header[-10:] == ["your", "loop's", "DeepSpeed", "open", "checkpoint", "updates", "step", "window", "drift",
+                            "status"]
+    assert "trainer_state" not in proc.stdout and "Trainer/engine" not in proc.stdout
+    flat = " ".join(proc.stdout.split())
+    assert flat.count("a resume inherits the drift") == 1 and flat.count("saves neither their gradients") == 1
 
 
 def test_resume_settings_place_a_mid_window_save_where_the_run_stood(saved):

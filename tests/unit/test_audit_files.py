@@ -71,7 +71,8 @@ def test_a_renamed_folder_is_said_renamed_not_drift(tmp_path):
     item = audit_output_dir(str(tmp_path)).checkpoints[0]
     assert item.drift == 0 and item.counted == 4
     (said,) = item.mismatches
-    assert "its name says step 9 but its trainer_state.json says global_step 4: the folder was renamed" in said
+    assert "is named for step 9 but its trainer_state.json says global_step 4, which a resume from it carries" in said
+    assert "the folder was renamed or copied" in said
     assert "7405" not in said and "realign" not in said
 
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from harness.stack import write_torch_archive
-from harness.cli import stepsync
+from harness.cli import cut_lines, stepsync
 from harness.paths import REPO
 
 ROOT = REPO
@@ -83,11 +83,6 @@ def test_check_says_when_the_trainer_ends_early():
 
 
 
-def cut_lines(text):
-    """Lines rich cut (an ellipsis) or that run past 80 columns."""
-    return [line for line in text.splitlines() if "…" in line or len(line) > 80]
-
-
 @pytest.mark.parametrize("args", [
     ["check", "--samples", "10", "--batch-size", "2", "--gas", "3", "--epochs", "3", "--transformers", "4.51.3",
      "--accelerate", "1.6.0", "--deepspeed", "0.16.9", "--policy", "drop_last"],
@@ -113,6 +108,7 @@ def test_inspect_fits_80_columns_in_a_pipe(tmp_path):
     out = fake_output_dir(tmp_path / "a-rather-long-output-directory-name", [(2, 1), (4, 3), (800, 799)])
     proc = stepsync("inspect", str(out), columns=80)
     assert proc.returncode == 1 and cut_lines(proc.stdout) == []
+    assert str(out) in proc.stdout.split()  # the path whole, never folded
     flat = " ".join(proc.stdout.split())
     assert "no checkpoint is safe to resume from: each one carries drift or missing files into a resume" in flat
 
