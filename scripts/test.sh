@@ -32,8 +32,8 @@ for stack in $stacks; do
   fi
   built=$(date +%s)
   read -r -a tests <<< "$(python3 scripts/envs.py tests "$stack")"  # tests/harness/matrix.py: TESTS
-  # Each DeepSpeed release compiles its CPU op once, into ~/.cache/stepsync/deepspeed-VERSION
-  # (stepsync.tools.tiny_run.cpu_distributed_env): stacks with the same release share it, others never do.
+  # Each stack compiles DeepSpeed's ops once, into ~/.cache/stepsync/deepspeed-VERSION-ENV
+  # (stepsync.tools.tiny_run.cpu_distributed_env): a build serves the environment that made it.
   export STEPSYNC_STACK="$stack" DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
   unset TORCH_EXTENSIONS_DIR
   echo "=== stack $stack: $(python3 scripts/envs.py pins "$stack")"

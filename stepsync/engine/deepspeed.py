@@ -272,10 +272,19 @@ class BoundaryOverride:
             self._active, self._last = False, None
 
 
-def slow_op_build(config: Any, prebuilt: Optional[dict] = None, roots: Sequence[str] = ()) -> str:
+SHARED_MEMORY_OP = "deepspeed_shm_comm"  # DeepSpeed's CPU collective: built when it starts on a CPU
+# What a compiled op serves, measured (tests/integration/test_op_builds.py): torch's build file names the
+# environment's own torch, so another environment compiles the op again into the same folder, over the first.
+ONE_BUILD = ("a build serves the environment that made it: another environment compiles it again, over it, unless "
+             "each has its own TORCH_EXTENSIONS_DIR")
+
+
+def slow_op_build(config: Any, prebuilt: Optional[dict] = None, roots: Sequence[str] = (),
+                  torch_folder: Optional[str] = None) -> str:
     """What DeepSpeed will compile before the first step for ``config``'s optimizer, said before it starts; "" where
     nothing: another optimizer, ``"torch_adam": true``, an op installed prebuilt (``prebuilt``: DeepSpeed's
-    ``installed_ops``) or already compiled under one of ``roots`` (torch's extension folders)."""
+    ``installed_ops``) or already compiled for this environment (its torch in ``torch_folder``) under one of
+    ``roots`` (torch's extension folders)."""
     if not isinstance(config, dict):
         return ""
     optimizer = _section(config, "optimizer")
@@ -284,12 +293,26 @@ def slow_op_build(config: Any, prebuilt: Optional[dict] = None, roots: Sequence[
         return ""
     offload = _section(_section(config, "zero_optimization"), "offload_optimizer")
     op = "cpu_adam" if offload.get("device") in ("cpu", "nvme") else "fused_adam"
-    if (prebuilt or {}).get(op) or any(_compiled(root, op) for root in roots):
+    if (prebuilt or {}).get(op) or any(compiled_here(root, op, torch_folder) for root in roots):
         return ""
     return (f"DeepSpeed will compile its {op} op for this config's \"{optimizer.get('type')}\" optimizer when the "
-            "engine is built, with nothing printed while it does (a minute or more on a small CPU, again in every "
-            "environment that has not built it); to skip it, set \"torch_adam\": true in the optimizer's params "
-            "(torch's own Adam), or install DeepSpeed with its ops prebuilt")
+            f"engine is built, with nothing printed while it does (a minute or more on a small CPU; {ONE_BUILD}); to "
+            "skip it, set \"torch_adam\": true in the optimizer's params (torch's own Adam), or install DeepSpeed with "
+            "its ops prebuilt")
+
+
+def slow_shared_memory_build(prebuilt: Optional[dict] = None, roots: Sequence[str] = (),
+                             torch_folder: Optional[str] = None) -> str:
+    """What DeepSpeed compiles when it starts its process group on a CPU (its shared-memory collective), said before
+    it starts; "" where it is installed prebuilt or already compiled for this environment."""
+    if (prebuilt or {}).get(SHARED_MEMORY_OP) or any(compiled_here(root, SHARED_MEMORY_OP, torch_folder)
+                                                      for root in roots):
+        return ""
+    return ("DeepSpeed will compile its shared-memory collective for CPUs (deepspeed_shm_comm) when it starts, with "
+            f"nothing printed while it does (about 30 s on 2 cores; {ONE_BUILD}); it only speeds up the CPU's "
+            "all-reduce: to skip it, run `import deepspeed.ops; "
+            "deepspeed.ops.__compatible_ops__[\"deepspeed_shm_comm\"] = False` before training (gloo does the "
+            "all-reduce then)")
 
 
 def _section(config: dict, key: str) -> dict:
@@ -297,19 +320,62 @@ def _section(config: dict, key: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def _compiled(root: str, op: str) -> bool:
-    """Whether torch's extension folder ``root`` holds ``op`` compiled (``ROOT/[pyXY_DEVICE/]OP/OP.so``)."""
+def compiled_here(root: str, op: str, torch_folder: Optional[str]) -> bool:
+    """Whether torch's extension folder ``root`` holds ``op`` compiled (``ROOT/[pyXY_DEVICE/]OP/OP.so``) for the
+    environment whose torch is in ``torch_folder`` (its build file names that torch; None: any environment's)."""
     import glob
 
-    return bool(root) and bool(glob.glob(os.path.join(root, op, f"{op}.so")) or
-                               glob.glob(os.path.join(root, "*", op, f"{op}.so")))
+    if not root:
+        return False
+    for library in glob.glob(os.path.join(root, op, f"{op}.so")) + glob.glob(os.path.join(root, "*", op, f"{op}.so")):
+        if torch_folder is None:
+            return True
+        try:
+            with open(os.path.join(os.path.dirname(library), "build.ninja")) as build:
+                if os.path.join(torch_folder, "include") in build.read():
+                    return True
+        except OSError:
+            continue
+    return False
 
 
-def op_build_of(config: Any) -> str:
-    """:func:`slow_op_build` for the installed DeepSpeed and this machine's extension folders."""
-    roots = [os.environ.get("TORCH_EXTENSIONS_DIR", ""), os.path.join(os.path.expanduser("~"), ".cache",
-                                                                      "torch_extensions")]
-    return slow_op_build(config, prebuilt_ops(), roots)
+def extension_roots() -> List[str]:
+    """Where torch keeps compiled ops: TORCH_EXTENSIONS_DIR, else its default folder."""
+    return [os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                   "torch_extensions")]
+
+
+def torch_folder() -> Optional[str]:
+    """The installed torch package's folder, found without importing it."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return None
+    return os.path.dirname(spec.origin) if spec is not None and spec.origin else None
+
+
+def starts_on_a_cpu() -> bool:
+    """Whether DeepSpeed runs on the CPU here and may build its shared-memory collective when it starts (nobody
+    switched it off in ``deepspeed.ops.__compatible_ops__``)."""
+    try:
+        import deepspeed.ops
+        from deepspeed.accelerator import get_accelerator
+    except ImportError:
+        return False
+    buildable = getattr(deepspeed.ops, "__compatible_ops__", {}).get(SHARED_MEMORY_OP, False)
+    return bool(buildable) and get_accelerator().device_name() == "cpu"
+
+
+def op_builds_of(config: Any, on_a_cpu: bool) -> List[str]:
+    """What DeepSpeed will compile for ``config`` in this environment before the first step (the shared-memory
+    collective where it starts on a CPU and may build it), each said with how to skip it."""
+    prebuilt, roots, here = prebuilt_ops(), extension_roots(), torch_folder()
+    said = [slow_op_build(config, prebuilt, roots, here)]
+    if on_a_cpu:
+        said.append(slow_shared_memory_build(prebuilt, roots, here))
+    return [line for line in said if line]
 
 
 def prebuilt_ops() -> dict:

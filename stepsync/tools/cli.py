@@ -25,7 +25,7 @@ from ..core.relayout import Layout
 from ..core.tokens import trl_generation_scale
 from ..core.versions import Stack, assumed_release, behaviour_of, installed_version
 from ..display.render import audit_view, forecast_view, print_view
-from ..engine.deepspeed import op_build_of
+from ..engine.deepspeed import op_builds_of
 from .arguments import policy_name, positive_epochs, positive_int
 from .audit import audit_output_dir
 from .config import (
@@ -220,8 +220,7 @@ def run_check(args) -> int:
     faults, certain = weight_faults_of(deepspeed, versions["deepspeed"], inputs.gradient_accumulation_steps,
                                        framework.backward_call, inputs.world_size if stated else None)
     notes += faults
-    build = op_build_of(deepspeed)
-    notes += [build] if build else []
+    notes += op_builds_of(deepspeed, deepspeed is not None and os.environ.get("DS_ACCELERATOR") == "cpu")
     if files.arguments is not None:  # a TRL config's GRPO loss, against the installed TRL
         scaled = trl_generation_scale(installed_version("trl"), files.arguments.get("loss_type"),
                                       files.arguments.get("steps_per_generation"), inputs.gradient_accumulation_steps)

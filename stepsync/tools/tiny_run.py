@@ -4,8 +4,10 @@ What the demo, the notebook and the benchmark train. Nothing is downloaded.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -16,8 +18,11 @@ def cpu_distributed_env() -> None:
     """The environment DeepSpeed needs in a single process on a CPU machine (kept when torchrun set it)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # One compiled-op cache per DeepSpeed release: two releases must never share it.
-    cache = os.path.join(os.path.expanduser("~"), ".cache", "stepsync", f"deepspeed-{installed_version('deepspeed')}")
+    # One compiled-op cache per environment: another environment (another DeepSpeed release, or the same one
+    # installed elsewhere) compiles its ops again over the first's (tests/integration/test_op_builds.py).
+    here = hashlib.sha256(sys.prefix.encode()).hexdigest()[:8]
+    cache = os.path.join(os.path.expanduser("~"), ".cache", "stepsync",
+                         f"deepspeed-{installed_version('deepspeed')}-{here}")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", cache)
     skip_shared_memory_op()
     if "RANK" in os.environ:

@@ -15,7 +15,7 @@ from ..core.report import SyncReport
 from ..core.tokens import Normalisation
 from ..core.versions import Stack, behaviour_of, without_an_engine
 from ..display.output import ConsoleOutput, logger
-from ..engine.deepspeed import op_build_of
+from ..engine.deepspeed import op_builds_of, starts_on_a_cpu
 from ..engine.faults import Adapter, guarded
 from ..engine.lifecycle import close_run, idle_report
 from ..engine.optimizer import count_optimizer_steps
@@ -132,9 +132,11 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
         trainer = trainer_facts.find_trainer(self)
         if trainer is not None:  # before the progress bar and the reporters read the plan at on_train_begin
             trainer_facts.run_after_the_flow_callback(trainer, self)
-        build = op_build_of(trainer_facts.deepspeed_config(args))
-        if build and trainer_facts.speaks(args, state):  # said before train() builds the engine
-            logger.warning("%s", build)
+        config = trainer_facts.deepspeed_config(args)
+        builds = op_builds_of(config, config is not None and starts_on_a_cpu())
+        if builds and trainer_facts.speaks(args, state):  # said before train() builds the engine
+            for build in builds:
+                logger.warning("%s", build)
 
     @guarded(steering=True, needs_run=False)
     def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):

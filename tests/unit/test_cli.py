@@ -473,6 +473,10 @@ def test_a_slow_op_build_is_said_before_it_starts(tmp_path):
     built.mkdir(parents=True)
     (built / "fused_adam.so").write_bytes(b"")
     assert slow_op_build(adam, {}, [str(tmp_path)]) == ""
+    # compiled by another environment: torch's build file names that environment's torch, and this one builds again
+    (built / "build.ninja").write_text("cflags = -isystem /other/env/site-packages/torch/include\n")
+    assert slow_op_build(adam, {}, [str(tmp_path)], "/other/env/site-packages/torch") == ""
+    assert "a build serves the environment that made it" in slow_op_build(adam, {}, [str(tmp_path)], "/this/torch")
 
 
 def test_check_says_the_build_a_config_will_make(tmp_path):

@@ -312,3 +312,12 @@ def test_the_set_up_reads_its_stacks_with_the_standard_library_alone():
     lines = done.stdout.splitlines()
     assert lines[0].startswith("transformers 5.24.0, accelerate 1.7.0") and "drifting" in lines[2]
     assert lines[-1] == "[]"
+
+
+def test_the_readme_says_what_a_compiled_op_serves_as_measured():
+    """The README's sentence on TORCH_EXTENSIONS_DIR is the one stepsync says before a build, and the one
+    tests/integration/test_op_builds.py measures."""
+    from stepsync.engine.deepspeed import ONE_BUILD
+
+    readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    assert f"In `TORCH_EXTENSIONS_DIR`, {ONE_BUILD}" in readme and "once per `TORCH_EXTENSIONS_DIR`" not in readme
