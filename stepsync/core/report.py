@@ -66,7 +66,8 @@ class SyncReport(Counted):
         planned_steps: the ``max_steps`` the Trainer planned (the LR schedule's length).
         dropped_micro_batches: per 1-based epoch, micro-batches ``drop_last`` left untrained.
         unapplied_micro_batches: micro-batches the engine accumulated but never applied at the end.
-        notes: statements about what stepsync did or could not check, in order.
+        notes: what the user has something to learn from or to do about, in order (each said when it happened).
+        not_checked: what stepsync could not tell, and why (logged at DEBUG, never in the summary).
         forecast_mismatches: epoch ends where the counts differed from the forecast.
         corrections: times policy ``realign`` set the Trainer's count to the engine's.
         finished: ``on_train_end`` was reached.
@@ -111,6 +112,7 @@ class SyncReport(Counted):
     dropped_micro_batches: Dict[int, int] = field(default_factory=dict)
     unapplied_micro_batches: int = 0
     notes: List[str] = field(default_factory=list)
+    not_checked: List[str] = field(default_factory=list)
     forecast_mismatches: List[str] = field(default_factory=list)
     corrections: int = 0
     finished: bool = False
@@ -174,8 +176,6 @@ class SyncReport(Counted):
         if self.resume_shift is not None and not self.resume_shift.exact:
             lines.append(f"resumed on another layout: {self.resume_shift.message()}")
         lines += [f"updates: {flaw}" for flaw in self.weight_faults + self.update_flaws]
-        if self.token_weighting is not None:
-            lines.append(f"tokens: {self.token_weighting.message()}")
         lines += [f"drift event: {event.message()}" for event in self.events]
         lines += [f"note: {note}" for note in self.notes]
         if not self.active and self.inactive_reason:

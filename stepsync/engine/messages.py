@@ -28,6 +28,11 @@ class Voice:
         if self.is_main:
             logger.info("%s", text)
 
+    def not_checked(self, text: str) -> None:
+        """What could not be told: kept in the report, logged at DEBUG; nothing for the user to do."""
+        self.report.not_checked.append(text)
+        logger.debug("%s", text)
+
     def warn(self, text: str) -> None:
         self.report.notes.append(text)
         if self.is_main:

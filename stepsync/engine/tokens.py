@@ -132,9 +132,10 @@ class TokenWeights:
             self.unseen += 1  # a training forward whose logits the output embeddings did not make
             if self.unseen >= UNSEEN_FORWARDS:
                 self.remove()
-                self.run.voice.note("loss normalisation: not read: the model's output embeddings made no logits in "
-                                    f"{UNSEEN_FORWARDS} training forwards (its loss computes them itself, as TRL's "
-                                    "chunked cross-entropy and fused kernels do)")
+                self.run.voice.not_checked(
+                    f"loss normalisation: not read: the model's output embeddings made no logits in {UNSEEN_FORWARDS} "
+                    "training forwards (its loss computes them itself, as TRL's chunked cross-entropy and fused "
+                    "kernels do)")
 
     def _hook_logits(self) -> None:
         """Hook the logits once the engine's forward has returned: DeepSpeed's own hooks on its output (0.18.3 on)
@@ -175,7 +176,7 @@ class TokenWeights:
         if not pending and self.named is None:
             held = "windows held one micro-batch each" if self.widest < 2 else \
                 "windows' micro-batches held numbers of trained tokens too close to tell the rules apart (within 25%)"
-            self.run.voice.note(f"loss normalisation: not named: the first {self.windows} {held}")
+            self.run.voice.not_checked(f"loss normalisation: not named: the first {self.windows} {held}")
         if not pending:
             self.remove()
         if wrong and self.run.policy.stops:
@@ -197,9 +198,7 @@ class TokenWeights:
         named = weigh_window(window, self.expected, max(run.epoch, 0) + 1, run.engine.global_steps + 1, self.fix,
                              self.reads_total, len(micro_batch_tokens(window)))
         run.report.token_weighting = named
-        if named.as_expected:
-            run.voice.note(f"loss normalisation: {named.message()}")
-        elif not run.policy.stops:
+        if not named.as_expected and not run.policy.stops:  # as expected, it is in the report alone
             repair = (f"; policy '{run.policy.value}' cannot repair it from outside (a window's token count is "
                       "known only at its last micro-batch)") if run.policy.interferes else ""
             run.voice.warn(f"loss normalisation: {named.message()}{repair}")

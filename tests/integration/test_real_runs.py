@@ -248,3 +248,22 @@ def test_realign_keeps_the_final_train_loss_a_mean(tmp_path):
         assert result.error is None
         losses[policy] = result.trainer.state.log_history[-1]["train_loss"]
     assert abs(losses["realign"] / losses["warn"] - 1) < 0.1, losses
+
+
+def test_an_aligned_run_with_nothing_found_ends_with_the_verdict_alone(tmp_path):
+    """N=4, G=2: no drift on any stack, and the tiny data's micro-batches hold equal numbers of tokens, so the loss
+    normalisation cannot be named: that is in the report's not_checked, not a note in every summary."""
+    import io
+
+    from rich.console import Console
+
+    from stepsync.display.render import summary_view
+
+    result = run(tmp_path, 4, 2, 2)
+    report = result.callback.report
+    assert result.error is None and report.drift == 0 and report.notes == []
+    assert any(line.startswith("loss normalisation: not named") for line in report.not_checked)
+    assert "note:" not in str(report) and "loss normalisation" not in str(report)
+    shown = io.StringIO()
+    Console(file=shown, width=100).print(summary_view(report))
+    assert "note:" not in shown.getvalue() and "loss normalisation" not in shown.getvalue()
