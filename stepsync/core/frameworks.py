@@ -29,6 +29,13 @@ TRAINER_LOSS_FIX = ("divide the summed token losses by num_items_in_batch in you
                     "StepSyncCallback(loss_normalisation='micro_batch_mean' or 'sequence_mean')")
 
 
+# A compute_loss_func gets num_items_in_batch, and the Trainer then never divides its loss by G itself, whatever
+# model.accepts_loss_kwargs says (tests/integration/test_token_weights.py runs both fixes).
+COMPUTE_LOSS_FUNC_FIX = ("divide the summed token losses by num_items_in_batch in your compute_loss_func (the Trainer "
+                         "passes it, and then never divides the loss by G itself); or declare the rule meant: "
+                         "StepSyncCallback(loss_normalisation='micro_batch_mean' or 'sequence_mean')")
+
+
 class TrainerRule(_Named):
     """When the Trainer counts an update at micro-batch ``s`` (0-based in the epoch) of ``N``."""
 

@@ -61,7 +61,8 @@ class RunStart:
             change where they differ.
         asked_g: each place the user set G that the framework may have overridden: (where, value, the fix when
             it is not the G in force).
-        loss_normalisation: how the user means each window's loss to weigh its trained tokens.
+        loss_normalisation: how the user means each window's loss to weigh its trained tokens; ``loss_fix`` how to
+            make it so in this run (default: the framework's).
         client_faults: what the framework's client does to every update that stepsync cannot undo (TRL's GRPO
             dividing by a generation batch's tokens), said before the first micro-batch.
     """
@@ -89,6 +90,7 @@ class RunStart:
     clip_fix: str = 'set "gradient_clipping": "auto" in the DeepSpeed config'
     asked_g: Tuple[Tuple[str, int, str], ...] = ()
     loss_normalisation: Normalisation = Normalisation.TOKEN_MEAN
+    loss_fix: Optional[str] = None
     client_faults: Tuple[str, ...] = ()
 
 
@@ -135,7 +137,7 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None,
         run.report.weight_faults.append(fault)
         repair = f"; policy '{run.policy.value}' cannot repair it from outside" if run.policy.interferes else ""
         _refuse_or_warn(run, f"{fault}{repair}", "before the first micro-batch")
-    run.token_weights = watch_tokens(run, start.loss_normalisation, start.framework.loss_fix)
+    run.token_weights = watch_tokens(run, start.loss_normalisation, start.loss_fix or start.framework.loss_fix)
     for where, asked, fix in start.asked_g:
         if asked != in_force:
             _refuse_or_warn(run, f"{where} asks gradient_accumulation_steps={asked} but the engine accumulates "

@@ -8,7 +8,7 @@ from typing import Any, Callable, Tuple
 
 from ..core.choices import Policy
 from ..core.errors import StepSyncConfigError
-from ..core.frameworks import TRAINER
+from ..core.frameworks import COMPUTE_LOSS_FUNC_FIX, TRAINER
 from ..core.plan import RunPlan, resume_position
 from ..core.record import record_from_files
 from ..core.tokens import Normalisation, trl_generation_scale
@@ -76,6 +76,7 @@ def start_run(trainer: Any, args: Any, state: Any, engine: Any, train_dataloader
         record_problem=record_problem, shift=shift,
         inherited_remedy=REUSED_ENGINE_REMEDY if state.global_step == 0 else INHERITED_REMEDY,
         asked_clip=trainer_facts.asked_clip(args), loss_normalisation=loss_normalisation,
+        loss_fix=COMPUTE_LOSS_FUNC_FIX if getattr(trainer, "compute_loss_func", None) is not None else None,
         client_faults=client_faults(args)), built)
     if steering is not None and steering.max_steps is not None:
         state.max_steps = steering.max_steps

@@ -270,10 +270,12 @@ class IgnoresItems:
 
 def run_trainer_tokens(output_dir: str, counts: Sequence[int], gas: int, model: str = "transformers",
                        policy: Optional[str] = "warn", stage: int = 0, declared: str = "token_mean",
-                       bf16: bool = False) -> TokenRun:
+                       bf16: bool = False, accepts_loss_kwargs: Optional[bool] = None,
+                       compute_loss_func=None) -> TokenRun:
     """The Trainer on one window (its first ``gas`` micro-batches, in order), SGD at lr 1, no clipping.
     ``model="transformers"``: the model itself (its loss divides by ``num_items_in_batch``); ``"ignores"``: a
-    model whose forward takes ``**kwargs`` and ignores it (:class:`IgnoresItems`)."""
+    model whose forward takes ``**kwargs`` and ignores it (:class:`IgnoresItems`). ``accepts_loss_kwargs`` is set on
+    the model where given; ``compute_loss_func`` is handed to the Trainer (the user's own loss)."""
     cpu_distributed_env()
     import torch
     from transformers import Trainer, TrainerCallback
@@ -290,6 +292,8 @@ def run_trainer_tokens(output_dir: str, counts: Sequence[int], gas: int, model: 
     result = TokenRun(truths=rule_gradients(net, [dataset[i] for i in range(gas)]))
     if model == "ignores":
         net = IgnoresItems.wrap(net)
+    if accepts_loss_kwargs is not None:
+        net.accepts_loss_kwargs = accepts_loss_kwargs
     result.before = [p.detach().float().clone() for p in net.parameters()]
 
     class FirstUpdate(TrainerCallback):
@@ -307,7 +311,8 @@ def run_trainer_tokens(output_dir: str, counts: Sequence[int], gas: int, model: 
     watching = stepsync.StepSyncCallback(policy, console=False, loss_normalisation=declared) if policy else None
     if watching is not None:
         callbacks.insert(0, watching)
-    trainer = InOrder(model=net, args=args, train_dataset=dataset, callbacks=callbacks)
+    trainer = InOrder(model=net, args=args, train_dataset=dataset, callbacks=callbacks,
+                      **({"compute_loss_func": compute_loss_func} if compute_loss_func is not None else {}))
     try:
         trainer.train()
     except Exception as exc:  # the caller asserts on it

@@ -169,6 +169,52 @@ def test_the_trainer_with_a_model_that_ignores_num_items_in_batch_sums_each_micr
         assert named.total == pytest.approx(4.0, rel=1e-3) and "(G = 4: the window is summed" in said
 
 
+def test_accepts_loss_kwargs_false_makes_the_trainer_average_each_micro_batchs_mean(tmp_path):
+    """The fix the warning above offers, run: the Trainer then divides each micro-batch's own mean by G (the
+    micro-batch mean rule at scale 1), which a run declaring that rule finds as expected."""
+    transformers_stack()
+    from harness.token_runs import run_trainer_tokens
+
+    run = run_trainer_tokens(str(tmp_path / "fixed"), COUNTS, 4, model="ignores", accepts_loss_kwargs=False,
+                             declared="micro_batch_mean")
+    assert run.error is None and agrees_with_the_truth(run) == "micro_batch_mean"
+    assert run.against("micro_batch_mean")[0] == pytest.approx(1.0, rel=1e-3)
+    assert run.report.token_weighting.as_expected and warned(run) == []
+
+
+def each_micro_batchs_mean(outputs, labels, num_items_in_batch=None):
+    """A compute_loss_func as TRL's users write one: each micro-batch's own token mean, num_items_in_batch ignored."""
+    from harness.token_runs import summed_token_loss
+
+    return summed_token_loss(outputs.logits, labels) / int((labels[..., 1:] != -100).sum())
+
+
+def the_windows_token_mean(outputs, labels, num_items_in_batch=None):
+    """The fix the compute_loss_func warning offers: the summed token losses over the window's trained tokens."""
+    from harness.token_runs import summed_token_loss
+
+    return summed_token_loss(outputs.logits, labels) / num_items_in_batch
+
+
+@pytest.mark.skipif(INSTALLED_TRANSFORMERS < Version("4.46"), reason="compute_loss_func is 4.46's")
+def test_with_a_compute_loss_func_the_warning_offers_the_fix_that_works_there(tmp_path):
+    """With a compute_loss_func, the Trainer never divides by G (model.accepts_loss_kwargs changes nothing: the
+    update stays the window's summed means, measured); the warning offers dividing by num_items_in_batch in that
+    function, and that run is a token mean, as expected."""
+    transformers_stack()
+    from harness.token_runs import run_trainer_tokens
+
+    summed = run_trainer_tokens(str(tmp_path / "summed"), COUNTS, 4, model="ignores", accepts_loss_kwargs=False,
+                                compute_loss_func=each_micro_batchs_mean)
+    assert summed.error is None and agrees_with_the_truth(summed) == "micro_batch_mean"
+    assert summed.against("micro_batch_mean")[0] == pytest.approx(4.0, rel=1e-3)  # accepts_loss_kwargs did nothing
+    said = warned(summed)[0]
+    assert "num_items_in_batch in your compute_loss_func" in said and "accepts_loss_kwargs" not in said
+    fixed = run_trainer_tokens(str(tmp_path / "fixed"), COUNTS, 4, model="ignores",
+                               compute_loss_func=the_windows_token_mean)
+    assert fixed.error is None and agrees_with_the_truth(fixed) == "token_mean" and warned(fixed) == []
+
+
 def test_the_trainer_under_raise_stops_before_the_windows_update(tmp_path):
     transformers_stack()
     from harness.token_runs import run_trainer_tokens
