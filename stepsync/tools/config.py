@@ -123,6 +123,10 @@ def from_training_args(data: Dict[str, Any], source: str) -> Dict[str, Any]:
     must_be(data, "TrainingArguments", source)
     misspelt(data, tuple(_TRAINING_ARGS), source)
     found: Dict[str, Any] = {}
+    if data.get("num_generations") is not None:  # TRL's GRPO and RLOO: a generation sampler sizes the epochs
+        found["generations"] = tuple(_number(data.get(key) or default, key, source, default)
+                                     for key, default in (("num_generations", 1), ("steps_per_generation", 0),
+                                                          ("generation_batch_size", 0), ("num_iterations", 1)))
     for field, name in _TRAINING_ARGS.items():
         if field not in data or data[field] is None:
             continue
@@ -243,8 +247,11 @@ def resolve(flags: Dict[str, Any], training_args: Optional[Dict[str, Any]] = Non
     if max_steps <= 0 and not epochs > 0:
         raise ConfigInputError(f"num_train_epochs must be > 0 when max_steps is not set, got {epochs}")
     drop_last = bool(values.get("drop_last", False))
-    return CheckInputs(_micro_batches(flags, batch, world, drop_last), gas, epochs, max_steps, batch, world,
-                       drop_last, flags.get("samples"), inferred, tuple(notes))
+    generations = values.get("generations")
+    micro = (_generation_micro_batches(flags, batch, world, gas, *generations) if generations else
+             _micro_batches(flags, batch, world, drop_last))
+    return CheckInputs(micro, gas, epochs, max_steps, batch, world, drop_last, flags.get("samples"), inferred,
+                       tuple(notes))
 
 
 def _micro_batches(flags: Dict[str, Any], batch: int, world: int, drop_last: bool) -> int:
@@ -258,6 +265,26 @@ def _micro_batches(flags: Dict[str, Any], batch: int, world: int, drop_last: boo
     if micro < 1:
         raise ConfigInputError(f"{samples} samples on {world} rank(s) give no full batch of {batch} with "
                                "drop_last: lower the batch size or drop --drop-last")
+    return micro
+
+
+def _generation_micro_batches(flags: Dict[str, Any], batch: int, world: int, gas: int, generations: int,
+                              steps_per_generation: int, generation_batch: int, iterations: int) -> int:
+    """Micro-batches per epoch on one rank under TRL's generation sampler (trl/trainer/utils.py's RepeatSampler, as
+    GRPOTrainer builds it): the prompts in chunks of ``generation_batch_size // num_generations``, an incomplete chunk
+    dropped, each chunk one dataloader batch per rank repeated ``num_iterations * steps_per_generation`` times."""
+    if flags.get("micro_batches"):
+        return flags["micro_batches"]
+    samples = flags.get("samples")
+    if not samples:
+        raise ConfigInputError("the dataset size is not given: pass --samples (the prompts) or "
+                               "--micro-batches-per-epoch")
+    steps = steps_per_generation or (generation_batch // (batch * world) if generation_batch else gas)
+    prompts_per_chunk = max(batch * world * steps // generations, 1)
+    micro = samples // prompts_per_chunk * iterations * steps
+    if micro < 1:
+        raise ConfigInputError(f"{samples} prompts make no generation batch of {prompts_per_chunk} prompts (TRL drops "
+                               "an incomplete one): pass more prompts, or lower per_device_train_batch_size")
     return micro
 
 

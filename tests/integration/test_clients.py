@@ -3,6 +3,8 @@
 Each run is checked against the independent recorder (harness.runs.recorder). They run where TRL and
 PEFT are installed (the drifting stack, scripts/stack.sh).
 """
+import os
+
 import pytest
 
 from harness.stack import DRIFTS, needs_stack
@@ -50,6 +52,38 @@ def test_trl_sft_trainer(tmp_path, policy):
     ref.append(trainer)
     trainer.train()
     check(trainer, callback, recording, policy)
+    assert checks_epochs(trainer, N, policy) == (N, recording.epoch_ends)
+
+
+def test_check_of_a_dpo_config_forecasts_the_real_run(tmp_path):
+    """TRL's DPOTrainer on DeepSpeed, a pair per micro-batch: check, given its DPOConfig, forecasts each epoch."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from stepsync import StepSyncCallback
+    from harness.runs import Recording, recorder
+    from stepsync.tools.tiny_run import cpu_distributed_env, deepspeed_config, tiny_model
+
+    cpu_distributed_env()
+    tokenizer, words = tiny_tokenizer()
+    data = Dataset.from_dict({"prompt": [" ".join(words[i:i + 3]) for i in range(N)],
+                              "chosen": [" ".join(words[i + 3:i + 5]) for i in range(N)],
+                              "rejected": [" ".join(words[i + 5:i + 7]) for i in range(N)]})
+    args = trl.DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=1, gradient_accumulation_steps=G,
+                         num_train_epochs=EPOCHS, max_length=16, bf16=False, learning_rate=1e-2, report_to=[],
+                         logging_steps=1, save_strategy="no", disable_tqdm=True, use_cpu=True,
+                         deepspeed=deepspeed_config(0))
+    model = tiny_model()
+    model.config.pad_token_id = tokenizer.pad_token_id
+    callback, recording, ref = StepSyncCallback("warn", console=False), Recording(), []
+    reference = tiny_model()
+    reference.config.pad_token_id = tokenizer.pad_token_id
+    trainer = trl.DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=data, processing_class=tokenizer,
+                             callbacks=[recorder(ref, recording), callback])
+    ref.append(trainer)
+    trainer.train()
+    assert checks_epochs(trainer, N) == (N, recording.epoch_ends)
+    assert [(row.trainer_steps, row.engine_steps) for row in callback.report.epochs] == recording.epoch_ends
 
 
 @pytest.mark.parametrize("policy", ["warn", "sync"])
@@ -72,7 +106,26 @@ def test_peft_lora_under_zero_2(tmp_path, policy):
     check(result.trainer, callback, result.recording, policy)
 
 
-def grpo_trainer(tmp_path, policy, steps_per_generation, prompts=6, **config):
+def checks_epochs(trainer, samples, policy="warn"):
+    """``stepsync check --samples SAMPLES --training-args`` on the trainer's own arguments under ``policy``, for the
+    installed releases: micro-batches per epoch, and each epoch's (the Trainer's count, the engine's count)."""
+    import json
+
+    from harness.cli import stepsync
+    from harness.stack import INSTALLED
+
+    path = os.path.join(trainer.args.output_dir, "args.json")
+    with open(path, "w") as handle:
+        handle.write(trainer.args.to_json_string())
+    proc = stepsync("check", "--samples", str(samples), "--training-args", path, "--transformers",
+                    INSTALLED.transformers, "--accelerate", INSTALLED.accelerate, "--deepspeed", INSTALLED.deepspeed,
+                    "--policy", policy, "--json")
+    assert proc.returncode in (0, 1), proc.stderr
+    data = json.loads(proc.stdout)
+    return data["inputs"]["micro_batches_per_epoch"], [(e["trainer_steps"], e["engine_steps"]) for e in data["epochs"]]
+
+
+def grpo_trainer(tmp_path, policy, steps_per_generation, prompts=6, gas=2, **config):
     trl = pytest.importorskip("trl")
     from datasets import Dataset
 
@@ -83,7 +136,7 @@ def grpo_trainer(tmp_path, policy, steps_per_generation, prompts=6, **config):
     cpu_distributed_env()
     tokenizer, words = tiny_tokenizer()
     data = Dataset.from_dict({"prompt": [" ".join(words[i:i + 3]) for i in range(prompts)]})
-    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=gas,
                           num_generations=2, steps_per_generation=steps_per_generation, max_completion_length=4,
                           num_train_epochs=2, bf16=False, learning_rate=1e-2, report_to=[], logging_steps=1,
                           save_strategy="no", disable_tqdm=True, use_cpu=True, deepspeed=deepspeed_config(0), **config)
@@ -94,7 +147,21 @@ def grpo_trainer(tmp_path, policy, steps_per_generation, prompts=6, **config):
                               args=args, train_dataset=data, processing_class=tokenizer,
                               callbacks=[recorder(ref, recording), callback])
     ref.append(trainer)
+    trainer.recording = recording  # the independent recorder's, for the tests that compare with it
     return trainer, callback
+
+
+@pytest.mark.parametrize("prompts, gas, steps_per_generation", [(10, 3, 3), (9, 2, 4)])
+def test_check_of_a_grpo_config_forecasts_the_real_run(tmp_path, prompts, gas, steps_per_generation):
+    """TRL's generation sampler sizes GRPO's epochs (each chunk of prompts repeated, an incomplete one dropped): 10
+    prompts, batch 2, num_generations 2, steps_per_generation 3 make 9 micro-batches an epoch, not 10 / 2 = 5.
+    check, given the run's own GRPOConfig, forecasts what the Trainer and the engine did, epoch by epoch."""
+    trainer, callback = grpo_trainer(tmp_path, "warn", steps_per_generation=steps_per_generation, prompts=prompts,
+                                     gas=gas)
+    trainer.train()
+    micro_batches, epochs = checks_epochs(trainer, prompts)
+    assert micro_batches == len(trainer.get_train_dataloader()) == callback.report.forecast.plan.micro_batches_per_epoch
+    assert epochs == trainer.recording.epoch_ends
 
 
 def test_trl_grpo_refuses_drop_last_with_its_own_fix(tmp_path):
