@@ -40,10 +40,10 @@ def __getattr__(name):
     try:
         value = getattr(import_module(f".{module}", __name__), name)
     except ImportError as exc:
-        _install_hint = import_module(".core.install", __name__).install_hint  # loaded as the public names are
+        install = import_module(".core.install", __name__)  # loaded as the public names are
         if name == "StepSyncCallback":  # the light install (stepsync check / inspect only)
             raise ImportError(f"StepSyncCallback needs transformers ({exc}): it runs inside your Trainer's "
-                              f"environment; {_install_hint('trainer')} installs the training packages") from exc
-        raise ImportError(f"stepsync needs {exc.name or 'a package'} ({exc}): {_install_hint()}") from exc
+                              f"environment; {install.training_install_hint('trainer')}") from exc
+        raise ImportError(f"stepsync needs {exc.name or 'a package'} ({exc}): {install.install_hint()}") from exc
     globals()[name] = value  # found once, then a plain attribute
     return value

@@ -22,6 +22,17 @@ def source() -> Optional[str]:
     return url[len("file://"):] if url.startswith("file://") else None
 
 
+# torch first, as the README's Install says: its CPU build where there is no GPU (pip's default index holds the
+# CUDA build, gigabytes), the default one where there is.
+TORCH_INSTALL = ("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu (a machine without a "
+                 "GPU; with one: pip install torch==2.13.0, or the torch your project uses)")
+
+
+def training_install_hint(extra: str) -> str:
+    """How to install what training with stepsync needs: torch, then stepsync's ``extra``."""
+    return f"{TORCH_INSTALL}, then {install_hint(extra)}"
+
+
 def install_hint(extra: Optional[str] = None) -> str:
     """``pip install '<where stepsync came from>[extra]'``."""
     where = source() or "stepsync"

@@ -113,8 +113,8 @@ class ResumeShift:
                 if layout.gradient_accumulation_steps != self.resumed.gradient_accumulation_steps
                 else f"per_device_train_batch_size={layout.per_device_batch}" for layout in self.fixed_layouts]
 
-    def message(self) -> str:
-        """What the Trainer will do, and how to resume exactly."""
+    def message(self, with_fix: bool = True) -> str:
+        """What the Trainer will do, and (``with_fix``) how to resume exactly."""
         if self.exact:
             return (f"the run resumes on another layout ({self.resumed.describe()}; saved on {self.saved.describe()}) "
                     "and lands exactly where it stood")
@@ -127,6 +127,7 @@ class ResumeShift:
         fix = ("; resume with " + ", or ".join(self.fixes)) if self.fixes else f"; {self.advice}" if self.advice else (
             f"; no layout on {self.resumed.world_size} rank(s) lands there (the Trainer places a resume by whole "
             "updates of the new layout): resume on the saved layout, or accept the shift")
+        fix = fix if with_fix else ""
         source = f" ({self.read_from_files})" if self.read_from_files else ""
         placed = self.placement or (f"the Trainer places the resume at epoch {self.lands[0] + 1}, sample "
                                     f"{self.lands[1]} of its order")

@@ -3,7 +3,7 @@ Lightning Trainer, ``stepsync.lightning.watch(fabric, model, optimizer)`` for a 
 
 Importing it imports Lightning; ``import stepsync`` and the command line never do.
 """
-from ..core.install import install_hint
+from ..core.install import training_install_hint
 
 try:
     from .callback import StepSyncCallback
@@ -11,7 +11,7 @@ try:
 except ImportError as exc:
     if (exc.name or "").split(".")[0] not in ("lightning", "pytorch_lightning", "torch", "deepspeed"):
         raise
-    raise ImportError(f"stepsync.lightning needs Lightning, torch and DeepSpeed ({exc}): pip install torch first "
-                      f"(pip install torch==2.13.0 is a CPU build), then {install_hint('lightning')}") from exc
+    raise ImportError(f"stepsync.lightning needs Lightning, torch and DeepSpeed ({exc}): "
+                      f"{training_install_hint('lightning')}") from exc
 
 __all__ = ["FabricWatch", "StepSyncCallback", "watch"]

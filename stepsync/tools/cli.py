@@ -17,7 +17,7 @@ from ..core.choices import Policy
 from ..core.errors import ConfigInputError, StepSyncError
 from ..core.forecast import forecast
 from ..core.frameworks import FRAMEWORKS, LIGHTNING, TRAINER, framework_called
-from ..core.install import install_hint
+from ..core.install import install_hint, training_install_hint
 from ..core.lightning_versions import LightningStack, lightning_behaviour_of
 from ..core.plan import RunPlan
 from ..core.record import TRAINER_STATE, load_record, read_json
@@ -51,8 +51,8 @@ commands:
 
 exit status: 0 aligned or consistent, 1 drift, an early end or a mismatch, 2 bad input, 3 a bug in stepsync
 (its traceback is printed), 130 interrupted (Ctrl-C). A reader that closes the pipe early (| head) changes none."""
-INSTALL_TRAINING = (f"pip install torch==2.13.0 (the CPU build; any torch your project uses), then "
-                    f"{install_hint('trainer')} (or: bash scripts/demo.sh, which builds its own environment)")
+INSTALL_TRAINING = (f"{training_install_hint('trainer')} (or: bash scripts/demo.sh, which builds its own "
+                    "environment)")
 
 
 # Names users bring from other tools, and the flag that means the same here.
@@ -342,9 +342,9 @@ def run_lightning_demo(args) -> int:
     remedy = LIGHTNING.parse_policy(Policy.SYNC if args.policy is Policy.WARN else args.policy, as_flag=True)
     missing = [p for p in ("torch", "lightning", "deepspeed") if installed_version(p) is None]
     if missing:
-        print(f"stepsync: error: stepsync demo --framework lightning needs {', '.join(missing)}: pip install "
-              f"torch==2.13.0 (the CPU build), then {install_hint('lightning')} (or: bash scripts/demo.sh "
-              "--framework lightning)", file=sys.stderr)
+        print(f"stepsync: error: stepsync demo --framework lightning needs {', '.join(missing)}: "
+              f"{training_install_hint('lightning')} (or: bash scripts/demo.sh --framework lightning)",
+              file=sys.stderr)
         return EXIT_BAD_INPUT
     return subprocess.call([sys.executable, "-m", "stepsync.tools.demo_lightning", "--samples", str(args.samples),
                             "--gas", str(args.gas), "--epochs", str(args.epochs), "--policy", remedy.value])

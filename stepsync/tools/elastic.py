@@ -76,7 +76,13 @@ class ResumeSettings:
         return config
 
     def message(self) -> str:
+        """What was found and what the settings change, in words."""
         return "; ".join(self.notes)
+
+    def lands_as_asked(self) -> str:
+        return (f"the resume on {self.world_size} rank(s) with per_device_train_batch_size="
+                f"{self.per_device_train_batch_size}, gradient_accumulation_steps={self.gradient_accumulation_steps} "
+                "lands where the run stood: nothing to change")
 
 
 def resume_settings(checkpoint: Optional[str], world_size: int, per_device_train_batch_size: int,
@@ -127,7 +133,7 @@ def resume_settings(checkpoint: Optional[str], world_size: int, per_device_train
     audit = audit_checkpoint(folder, verify_data=False, located=located)
     planned = planned_here()
     verdict = resume_on(audit, world_size, planned, per_device_train_batch_size, gradient_accumulation_steps,
-                        examples)
+                        examples, give_examples="resume_settings(..., examples=N)")
     if verdict.refused is not None:
         if not convert:
             raise StepSyncConfigError(f"{verdict.refused}; or call resume_settings(..., convert=True) to convert it "
@@ -138,7 +144,7 @@ def resume_settings(checkpoint: Optional[str], world_size: int, per_device_train
     elif audit.universal and audit.zero_stage and audit.saved_world_size not in (None, world_size):
         settings.load_universal = True
     settings.notes += verdict.notes
-    if verdict.shift is None and verdict.notes and not settings.load_universal:
+    if verdict.layout_unknown and not settings.load_universal:
         settings.lands_exactly = None
     return _apply(settings, verdict.shift)
 
@@ -146,6 +152,8 @@ def resume_settings(checkpoint: Optional[str], world_size: int, per_device_train
 def _apply(settings: ResumeSettings, shift: Optional[ResumeShift]) -> ResumeSettings:
     """The settings that land where ``shift`` says the run stood (None: nothing to change)."""
     if shift is None:
+        if settings.lands_exactly:
+            settings.notes.append(settings.lands_as_asked())
         return settings
     settings.shift = None if shift.exact else shift
     if shift.exact:
@@ -154,7 +162,8 @@ def _apply(settings: ResumeSettings, shift: Optional[ResumeShift]) -> ResumeSett
         fixed = shift.fixed_layouts[0]
         settings.per_device_train_batch_size = fixed.per_device_batch
         settings.gradient_accumulation_steps = fixed.gradient_accumulation_steps
-        settings.notes.append(f"{shift.message()}: the settings resume with {shift.fixes[0]}")
+        settings.notes.append(f"{shift.message(with_fix=False)}; these settings resume with {shift.fixes[0]} "
+                              "instead, which lands where it stood")
     else:
         settings.lands_exactly = False
         settings.notes.append(shift.message())

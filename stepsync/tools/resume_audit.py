@@ -21,7 +21,8 @@ class ResumeOn:
     Attributes:
         refused: why DeepSpeed will refuse the load, with the command and the config line that lift it.
         shift: the samples the Trainer will skip or train twice (None when the record does not keep the layout).
-        notes: what could not be told.
+        notes: what could not be told, and where the saved layout was read from.
+        layout_unknown: the layout the checkpoint was saved on could not be told (the notes say why).
     """
 
     name: str
@@ -29,6 +30,7 @@ class ResumeOn:
     refused: Optional[str] = None
     shift: Optional[ResumeShift] = None
     notes: List[str] = field(default_factory=list)
+    layout_unknown: bool = False
 
     @property
     def works(self) -> bool:
@@ -52,10 +54,11 @@ def planned_here() -> PlannedSteps:
 
 
 def resume_on(audit: CheckpointAudit, world_size: int, planned: PlannedSteps, per_device_batch: Optional[int] = None,
-              gradient_accumulation_steps: Optional[int] = None, examples: Optional[int] = None) -> ResumeOn:
+              gradient_accumulation_steps: Optional[int] = None, examples: Optional[int] = None,
+              give_examples: str = "--examples N") -> ResumeOn:
     """Whether ``audit``'s checkpoint resumes on ``world_size`` ranks (per-device batch and G as saved unless
     given), under the Trainer's ``planned`` arithmetic. A checkpoint without stepsync's record has its layout read
-    from its files, given the training set's length ``examples``."""
+    from its files, given the training set's length ``examples`` (asked for as ``give_examples`` says it)."""
     verdict = ResumeOn(audit.name, world_size)
     record = audit.record
     saved_ranks = audit.saved_world_size or (record.world_size if record is not None else None)
@@ -75,13 +78,15 @@ def resume_on(audit: CheckpointAudit, world_size: int, planned: PlannedSteps, pe
     if record is None or record.layout is None:
         step = audit.trainer_state_step
         if examples is None or step is None:
-            verdict.notes.append("no stepsync record keeps the layout it was saved on: give --examples N (the "
+            verdict.notes.append(f"no stepsync record keeps the layout it was saved on: give {give_examples} (the "
                                  "training set's length) to read it from the checkpoint's files")
+            verdict.layout_unknown = True
             return verdict
         saved, how = layout_from_files(audit.path, step, examples, planned, per_device_batch,
                                        gradient_accumulation_steps)
         if saved is None:
             verdict.notes.append(how)
+            verdict.layout_unknown = True
             return verdict
         record = record_at(saved, step, planned)
     saved = record.layout

@@ -73,7 +73,7 @@ def test_the_settings_resume_settings_gives_make_the_restore_land(jobs):
     _, saved, _, fixed = jobs
     (rank,) = fixed
     assert rank["gas"] == 8 and rank["error"] is None
-    assert "the settings resume with gradient_accumulation_steps=8" in rank["settings"][-1]
+    assert "these settings resume with gradient_accumulation_steps=8 instead" in rank["settings"][-1]
     assert truth(saved, fixed) == said(rank) == ({}, {})
 
 

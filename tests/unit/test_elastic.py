@@ -69,15 +69,19 @@ def test_settings_keep_the_global_batch_and_land(tmp_path):
     assert settings.training_arguments() == {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 8}
     assert settings.lands_exactly and not settings.load_universal
     assert settings.shift.repeated == {2: 8} and "no stepsync record in the checkpoint" in settings.message()
-    # The same ranks: nothing changes.
+    assert settings.message().count("gradient_accumulation_steps=8") == 1  # the advice once
+    assert "these settings resume with gradient_accumulation_steps=8 instead" in settings.message()
+    # The same ranks: nothing changes, and the message says so.
     same = stepsync.resume_settings(str(folder), 2, 1, 4, examples=12)
     assert same.training_arguments()["gradient_accumulation_steps"] == 4 and same.shift is None
+    assert same.message().endswith("the resume on 2 rank(s) with per_device_train_batch_size=1, "
+                                   "gradient_accumulation_steps=4 lands where the run stood: nothing to change")
 
 
 def test_without_a_record_or_the_data_length_the_settings_say_they_cannot_tell(tmp_path):
     folder = checkpoint(tmp_path / "checkpoint-4", 4)
     settings = stepsync.resume_settings(str(folder), 1, 1, 4)
-    assert settings.lands_exactly is None and "give --examples N" in settings.message()
+    assert settings.lands_exactly is None and "give resume_settings(..., examples=N)" in settings.message()
     assert settings.gradient_accumulation_steps == 4
 
 

@@ -321,3 +321,16 @@ def test_the_readme_says_what_a_compiled_op_serves_as_measured():
 
     readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
     assert f"In `TORCH_EXTENSIONS_DIR`, {ONE_BUILD}" in readme and "once per `TORCH_EXTENSIONS_DIR`" not in readme
+
+
+def test_every_torch_hint_is_the_readmes_torch_line():
+    """The README spells out the CPU index as a command; stepsync's own hints give the same command."""
+    from stepsync.core.install import TORCH_INSTALL, training_install_hint
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    line = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+    assert f"\n  {line}\n" in readme and TORCH_INSTALL.startswith(line)
+    assert training_install_hint("trainer").startswith(line) and f"'{ROOT}[trainer]'" in training_install_hint("trainer")
+    proc = stepsync("demo")  # the fast loop has no training packages: the hint is printed
+    if importlib.util.find_spec("torch") is None:
+        assert proc.returncode == 2 and line in proc.stderr
