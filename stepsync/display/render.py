@@ -114,14 +114,16 @@ def forecast_table(forecast: Forecast, title: Optional[str] = None) -> Table:
 SHOWN_EPOCHS = 20  # a forecast table longer than this shows its first and last epochs only
 
 
-def verdict_text(forecast: Forecast) -> Text:
-    troubled = not forecast.aligned or forecast.ends_early() is not None
-    return Text(forecast.verdict(), style="bold yellow" if troubled else "green")
+def verdict_text(forecast: Forecast, said: Optional[str] = None) -> Text:
+    said = said or forecast.verdict()
+    troubled = not said.startswith("aligned") or forecast.ends_early() is not None
+    return Text(said, style="bold yellow" if troubled else "green")
 
 
-def forecast_view(forecast: Forecast, notes: Sequence[str] = ()) -> Group:
-    """The table, the verdict, then what the forecast rests on beyond measurement."""
-    return Group(forecast_table(forecast), verdict_text(forecast), *_notes(notes, "dim"))
+def forecast_view(forecast: Forecast, notes: Sequence[str] = (), verdict: Optional[str] = None) -> Group:
+    """The table, the verdict (the forecast's own unless ``verdict`` is given), then what the forecast rests on
+    beyond measurement."""
+    return Group(forecast_table(forecast), verdict_text(forecast, verdict), *_notes(notes, "dim"))
 
 
 def drift_panel(event: DriftEvent) -> Panel:

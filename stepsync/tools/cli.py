@@ -244,15 +244,20 @@ def run_check(args) -> int:
         result.resume_shift = resume_of(args.resume_from, inputs, behaviour)
         notes.append(result.resume_shift.message() if result.resume_shift is not None else
                      f"a resume of {args.resume_from} keeps its layout: it lands where the run stood")
+    said = result.verdict()
+    if certain and said.startswith("aligned: "):  # the counts agree, the updates do not: the verdict says both
+        said = (f"affected: {said[len('aligned: '):]}, but the updates themselves are wrong in this configuration "
+                "(the notes below say how, and the fix)")
     if args.json:
         data = result.to_dict()
+        data["verdict"] = said
         data["inputs"] = {"micro_batches_per_epoch": inputs.micro_batches_per_epoch, "batch_size": inputs.batch_size,
                           "world_size": inputs.world_size, "world_size_inferred": inputs.world_size_inferred,
                           "drop_last": inputs.drop_last}
         data["notes"] = notes
         print(json.dumps(data))
     else:
-        print_view(Console(), forecast_view(result, notes))
+        print_view(Console(), forecast_view(result, notes, said))
     return EXIT_ALIGNED if result.sound and not certain else EXIT_DRIFTS
 
 

@@ -585,3 +585,24 @@ def test_verify_reads_g_from_the_training_arguments(tmp_path):
     if importlib.util.find_spec("torch") is None:
         proc = stepsync("verify", "--training-args", args, "--deepspeed-config", ds)
         assert proc.returncode == 2 and "stepsync verify runs DeepSpeed: it needs" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["--samples", "8", "--gas", "2", "--accelerate", "1.16.0"],
+    ["--samples", "3", "--gas", "2", "--epochs", "2", "--accelerate", "1.7.0"],
+    ["--samples", "8", "--world-size", "2", "--accelerate", "1.16.0", "--deepspeed", "0.18.9", "--deepspeed-config",
+     "BF16_ZERO1"],
+    ["--samples", "8", "--world-size", "2", "--accelerate", "1.16.0", "--deepspeed", "0.19.8", "--deepspeed-config",
+     "BF16_ZERO1"],
+])
+def test_the_printed_verdict_agrees_with_the_exit_status(tmp_path, args):
+    """A weight fault that is certain makes check exit 1: the verdict line then says 'affected' too (it said
+    'aligned' above the fault)."""
+    ds = write(tmp_path, "ds.json", json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+                                                "bf16": {"enabled": True}, "zero_optimization": {"stage": 1},
+                                                "data_types": {"grad_accum_dtype": "fp32"}}))
+    args = [ds if arg == "BF16_ZERO1" else arg for arg in args]
+    proc = stepsync("check", "--transformers", "5.24.0", *args)
+    data = json.loads(stepsync("check", "--transformers", "5.24.0", *args, "--json").stdout)
+    assert proc.returncode in (0, 1) and data["verdict"].split(":")[0] == ("aligned", "affected")[proc.returncode]
+    assert ("affected: " in proc.stdout) == (proc.returncode == 1) != ("aligned: " in proc.stdout), proc.stdout
