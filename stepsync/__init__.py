@@ -17,6 +17,8 @@ _PUBLIC = {
     "NonFiniteUpdateError": "core.errors", "NonFiniteUpdate": "core.events", "UnsafeCheckpointError": "core.errors",
     "RanksApartError": "core.errors", "RanksApart": "core.events",
     "LossNormalisationError": "core.errors", "Normalisation": "core.tokens", "TokenWeighting": "core.tokens",
+    "GradientsLostError": "core.errors", "UnsupportedVersion": "core.errors", "ConfigInputError": "core.errors",
+    "UnreadableFileError": "core.errors", "VerifyInputError": "core.errors", "AuditInputError": "core.errors",
     "SyncReport": "core.report",
     "Stack": "core.versions", "behaviour_of": "core.versions",
     "StepSyncCallback": "trainer.callback",

@@ -15,6 +15,7 @@ from typing import Any, List, Optional
 from ..core.errors import LossNormalisationError
 from ..core.frameworks import EngineBoundary
 from ..core.tokens import Normalisation, SequenceWeights, TokenWeighting, micro_batch_tokens, tells_apart, weigh_window
+from .deepspeed import spread_across_ranks
 from .outputs import loss_and_others
 
 # Windows read at most: a run whose first windows all hold near-equal token counts is one where the rule makes
@@ -208,15 +209,9 @@ class TokenWeights:
         """(whether any rank still reads, whether any rank's window is wrong): one all-reduce on several ranks."""
         if self.ranks < 2:
             return pending, wrong
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return pending, wrong
-        import torch
-
-        flags = torch.tensor([int(pending), int(wrong)], device=getattr(self.run.engine, "device", "cpu"))
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return bool(flags[0]), bool(flags[1])
+        (_, any_pending), (_, any_wrong) = spread_across_ranks([pending, wrong], getattr(self.run.engine, "device",
+                                                                                         "cpu"))
+        return bool(any_pending), bool(any_wrong)
 
 
 def watch_tokens(run: Any, expected: Normalisation, fix: str) -> Optional[TokenWeights]:

@@ -45,20 +45,26 @@ def main(out_dir: str) -> None:
     from stepsync import StepSyncCallback
     from stepsync.tools.tiny_run import run_tiny
 
+    from harness.touches import reader_of, touching_mode
+
     rank = int(os.environ["RANK"])
     results = {}
     for name, stage, policy, moved, saved in CASES:
         callback = StepSyncCallback(policy, console=False)
         saving = dict(save_strategy="steps", save_steps=1) if saved else {}
-        result = run_tiny(tempfile.mkdtemp(), samples=8, gas=2, epochs=2, stage=stage,
-                          callbacks=[*([mover(rank)] if moved else []), callback], **saving)
+        watch = touching_mode()  # which of stepsync's readers touched a tensor, and whether anything else did
+        with watch:
+            result = run_tiny(tempfile.mkdtemp(), samples=8, gas=2, epochs=2, stage=stage,
+                              callbacks=[*([mover(rank)] if moved else []), callback], **saving)
         apart = callback.report.ranks_apart
         results[name] = {
             "differ": copies_differ(result.engine.module) if stage < 3 else None,
             "apart": None if apart is None else [apart.epoch, apart.micro_batch, apart.engine_steps, apart.agreed_at,
                                                  apart.where, apart.ranks],
             "error": type(result.error).__name__ if result.error else None,
-            "engine_steps": result.engine.global_steps}
+            "engine_steps": result.engine.global_steps,
+            "readers": sorted({reader_of(path, name) or f"outside: {where} ({name})"
+                               for name, path, where in watch.touches})}
     dump(os.path.join(out_dir, f"rank-{rank}.json"), results)
 
 
