@@ -3,7 +3,7 @@ update the engine counted but did not apply, and the :class:`NonFiniteUpdate` af
 finite."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from typing import Optional, Tuple
 
@@ -56,6 +56,9 @@ class DriftEvent(Counted):
             micro-batch where it did not, checked by the Lightning callback), ``"epoch_end"``, or ``"forecast"``
             (the first drift the forecast predicts, at that epoch's end, for policy ``raise``'s stop at the start).
         counter: what ``trainer_steps`` counts (the Trainer's ``global_step``, or a custom loop's updates).
+        changes: the changes of the drift this entry holds: a drift that changes again and again with one cause is
+            one entry, said once where it started (the fields above); ``last`` is where it stood at its last change
+            (epoch, micro-batch, both counts), None while it changed once.
     """
 
     epoch: int
@@ -68,12 +71,27 @@ class DriftEvent(Counted):
     where: str
     counter: str = "Trainer global_step"
     updates: str = "DeepSpeed engine global_steps"
+    changes: int = 1
+    last: Optional[Tuple[int, int, int, int]] = None
+
+    @property
+    def last_drift(self) -> int:
+        """The drift at this entry's last change."""
+        return self.drift if self.last is None else self.last[2] - self.last[3]
+
+    def continued(self, epoch: int, micro_batch: int, trainer_steps: int, engine_steps: int) -> DriftEvent:
+        """This entry, the drift having changed once more with the same cause, at that point."""
+        return replace(self, changes=self.changes + 1, last=(epoch, micro_batch, trainer_steps, engine_steps))
 
     def message(self) -> str:
+        since = "" if self.last is None else (
+            f"; then {self.changes - 1} more change(s) with the same cause, to {self.last_drift:+d} at epoch "
+            f"{self.last[0]}, micro-batch {self.last[1]} ({self.counter}={self.last[2]}, {self.updates}="
+            f"{self.last[3]})")
         return (
             f"step drift {self.drift:+d} at epoch {self.epoch}, micro-batch {self.micro_batch} "
             f"({WHERE_IN_WORDS.get(self.where, self.where)}): "
-            f"{self.counter}={self.trainer_steps}, {self.updates}={self.engine_steps}; "
+            f"{self.counter}={self.trainer_steps}, {self.updates}={self.engine_steps}{since}; "
             f"cause: {self.cause.value}; remedy: {self.remedy}"
         )
 
@@ -87,6 +105,8 @@ class DriftEvent(Counted):
     def from_dict(cls, data: dict) -> DriftEvent:
         fields = {k: v for k, v in data.items() if k != "drift"}
         fields["cause"] = Cause[fields["cause"]]
+        if fields.get("last") is not None:
+            fields["last"] = tuple(fields["last"])
         return cls(**fields)
 
 

@@ -202,10 +202,13 @@ def what_the_updates_miss(forecast: Forecast) -> List[str]:
     shift = forecast.resume_shift
     if shift is not None and not shift.exact:
         facts.append(shift_fact(shift))
+    after = forecast.unapplied_micro_batches + forecast.untrained_after_stop
     if forecast.reachable_steps is not None and forecast.untrained_after_stop:
-        facts.append(f"the run ends at the engine's last update (max_steps={forecast.reachable_steps}): the "
-                     f"{forecast.untrained_after_stop} micro-batch(es) after it are never trained (fewer than G: no "
-                     "update would apply them)")
+        g = forecast.plan.gradient_accumulation_steps
+        fewer = "; fewer than G: no update would apply them" if after < g else ""
+        facts.append(f"the run ends at the engine's last update (max_steps={forecast.reachable_steps}): the {after} "
+                     f"micro-batch(es) after it never reach an update ({forecast.unapplied_micro_batches} trained but "
+                     f"never applied, {forecast.untrained_after_stop} never trained{fewer})")
     if forecast.straddling and forecast.behaviour.zero_grad_at_its_windows:
         facts.append(f"the engine's windows cross into epoch(s) {_listed(forecast.straddling)}")
     return facts

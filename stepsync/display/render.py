@@ -138,10 +138,13 @@ def drift_panel(event: DriftEvent) -> Panel:
 
 
 def events_table(events: Iterable[DriftEvent], who: str = "Trainer") -> Table:
-    """One row per change of the drift; ``who`` heads the framework's count (``Framework.who``)."""
+    """One row per entry (a drift that changed again and again with one cause is one row: where it started, the
+    drift it reached, its changes); ``who`` heads the framework's count (``Framework.who``)."""
     rows = [[str(e.epoch), str(e.micro_batch), e.where.replace("_", " "), str(e.trainer_steps), str(e.engine_steps),
-             _drift_text(e.drift), e.cause.name.lower().replace("_", " ")] for e in events]
-    return _table("drift events", ["epoch", "micro-\nbatch", "where", who, "engine", "drift", "cause"], rows)
+             _drift_text(e.drift) if e.last is None else Text(f"{e.drift:+d} to {e.last_drift:+d}", style="bold red"),
+             str(e.changes), e.cause.name.lower().replace("_", " ")] for e in events]
+    return _table("drift events", ["epoch", "micro-\nbatch", "where", who, "engine", "drift", "changes", "cause"],
+                  rows)
 
 
 def summary_view(report: SyncReport) -> Panel:

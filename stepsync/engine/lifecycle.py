@@ -222,8 +222,7 @@ def _stop_at_the_forecast(run: Run, predicted: Forecast) -> None:
     event = DriftEvent(epoch=row.epoch, micro_batch=row.micro_batches, trainer_steps=row.trainer_steps,
                        engine_steps=row.engine_steps, previous_drift=run.last_drift,
                        cause=run.cause_of("forecast", row.drift, row.micro_batches), remedy=run.remedy,
-                       where="forecast", counter=run.report.framework.counter,
-                       **({} if run.facts.deepspeed else {"updates": "optimizer steps"}))
+                       where="forecast", counter=run.report.framework.counter, updates=run.updates_counted)
     raise StepDriftError(event, f"the forecast: {predicted.verdict()}. Policy 'raise' stops every rank before the "
                                 f"first micro-batch; the first drift would be {event.message()}")
 

@@ -3,7 +3,7 @@ framework's own logs go), the forecast at the start and the summary at the end."
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..core.prediction import Forecast
 from ..display import render
@@ -27,6 +27,17 @@ class Voice:
         self.report.notes.append(text)
         if self.is_main:
             logger.info("%s", text)
+
+    def running_note(self, index: Optional[int], text: str) -> int:
+        """A note that one finding keeps up to date (how many times it recurred, where last): ``text`` replaces the
+        note at ``index`` (None: a new one), so the report stays bounded; logged at DEBUG. Returns its index."""
+        logger.debug("%s", text)
+        notes = self.report.notes
+        if index is None:
+            notes.append(text)
+            return len(notes) - 1
+        notes[index] = text
+        return index
 
     def not_checked(self, text: str) -> None:
         """What could not be told: kept in the report, logged at DEBUG; nothing for the user to do."""

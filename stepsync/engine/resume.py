@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict
-from typing import Sequence
+from typing import Optional, Sequence
 
 from ..core.errors import UnsafeCheckpointError
 from ..core.plan import resume_steps_for
@@ -53,11 +53,14 @@ class UnsafeSaves:
     a stop under a policy that stops.
 
     Attributes:
-        said: a save was warned about.
+        said: a save was warned about (said once); later: the saves like it since, kept as one note of the report
+            (at index ``at``) that names the last.
     """
 
     def __init__(self) -> None:
         self.said = False
+        self.later = 0  # the saves like the first, counted in one note of the report
+        self.at: Optional[int] = None
 
     def check(self, run: Run, folder: str, since_loop_update: int, save_where: str, more: Sequence[str] = ()) -> None:
         """A save into ``folder`` now: micro-batches in DeepSpeed's open window (lost by a resume), or a save inside
@@ -77,7 +80,8 @@ class UnsafeSaves:
         if run.policy.stops:
             raise UnsafeCheckpointError(f"{text}; policy '{run.policy.value}' stops at this save")
         if self.said:
-            run.voice.note(text)
+            self.later += 1
+            self.at = run.voice.running_note(self.at, f"{self.later} later save(s) like it, the last {text}")
         else:
             self.said = True
-            run.voice.warn(text + " (later saves like it are listed in the report)")
+            run.voice.warn(text + " (later saves like it are counted in the report)")

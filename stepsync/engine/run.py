@@ -25,6 +25,9 @@ from .messages import Voice
 from .outcomes import Updates
 from .steering import AT_DRIFT, EVERY_MICRO_BATCH, PolicyAction, Steering
 
+# Causes that are a fact of one moment: each change with one of them is an entry of its own.
+ONCE_EACH = (Cause.INHERITED, Cause.CAUGHT_UP)
+
 
 class Run:
     """Where the run is, as stepsync counts it: epoch, position in the epoch, engine counters.
@@ -69,7 +72,7 @@ class Run:
                  "engine_at_last_update", "engine_moved_in_window",
                  "facts", "behaviour", "n", "g", "output", "is_main", "plan", "epoch", "start_epoch", "skip",
                  "done_before_epoch", "t_before_epoch", "remedy", "known_cause", "checks_every_micro_batch", "layout",
-                 "output_hooks", "token_weights", "loop_window_ends", "stopped")
+                 "output_hooks", "token_weights", "loop_window_ends", "stopped", "changes_this_epoch")
 
     def __init__(self, engine: Any, behaviour: StackBehaviour, n: Optional[int], g: int, report: SyncReport,
                  output: ConsoleOutput, action: PolicyAction, start_epoch: int = 0, skip: int = 0,
@@ -110,6 +113,7 @@ class Run:
         self.token_weights: Any = None  # stepsync.engine.tokens.TokenWeights, until a window names its rule
         self.loop_window_ends: Optional[bool] = None  # the loop's word on the micro-batch running now
         self.stopped = False  # policy 'raise' stopped training inside a micro-batch: its epoch did not end
+        self.changes_this_epoch = 0  # changes of a drift said once, summed at the epoch's end
 
     # ------------------------------------------------------------ the policy's decisions
 
@@ -121,6 +125,7 @@ class Run:
         if self.epoch >= self.start_epoch:
             self.done_before_epoch += self.position - self._first_position()
         self.epoch += 1
+        self.changes_this_epoch = 0
         self.position = self._first_position()
         self.t_before_epoch = self.done_before_epoch - self.position
         self.action.before_epoch(self)
@@ -229,6 +234,11 @@ class Run:
         return trainer_steps
 
     @property
+    def updates_counted(self) -> str:
+        """What the second count counts, in an event's words: the engine's updates, or the optimizer's steps."""
+        return "DeepSpeed engine global_steps" if self.facts.deepspeed else "optimizer steps"
+
+    @property
     def policy(self) -> Policy:
         """The policy acting now (the user's, or the one it fell back to); the report keeps a copy."""
         return self.action.policy
@@ -250,17 +260,26 @@ class Run:
         drift = trainer_steps - self.engine_steps_seen
         if drift == self.last_drift:
             return
+        cause = self.cause_of(where, drift)
+        last = report.events[-1] if report.events else None
+        if last is not None and last.cause is cause and cause not in ONCE_EACH:  # one entry, said where it started
+            event = last.continued(max(self.epoch, 0) + 1, self.position, trainer_steps, self.engine_steps_seen)
+            report.events[-1] = event
+            self.last_drift = drift
+            self.changes_this_epoch += 1
+            self.action.on_drift(event)
+            return
         event = DriftEvent(
             epoch=max(self.epoch, 0) + 1,
             micro_batch=self.position if where != "train_begin" else 0,
             trainer_steps=trainer_steps,
             engine_steps=self.engine_steps_seen,
             previous_drift=self.last_drift,
-            cause=self.cause_of(where, drift),
+            cause=cause,
             remedy=remedy or self.remedy,
             where=where,
             counter=report.framework.counter,
-            **({} if self.facts.deepspeed else {"updates": "optimizer steps"}),
+            updates=self.updates_counted,
         )
         self.last_drift = drift
         report.events.append(event)
@@ -287,6 +306,11 @@ class Run:
     def _close_epoch(self, trainer_steps: int) -> None:
         """The epoch's check, its counts in the report, and their comparison with the forecast."""
         self.check(trainer_steps, "epoch_end")
+        if self.changes_this_epoch and self.is_main:  # a drift said once where it started: its sum, once an epoch
+            event = self.report.events[-1]
+            logger.warning("epoch %d ends with step drift %+d: %d more change(s) in this epoch with the cause said at "
+                           "epoch %d, micro-batch %d (%s)", self.epoch + 1, event.last_drift, self.changes_this_epoch,
+                           event.epoch, event.micro_batch, event.cause.value)
         self.report.epochs.append(EpochCount(self.epoch + 1, self.position - self._first_position(), trainer_steps,
                                              self.engine_steps_seen, self.updates.skipped_seen))
         predicted: Optional[Forecast] = self.report.forecast

@@ -45,8 +45,9 @@ def test_watch_holds_a_deepspeed_chat_loop_to_its_epochs_windows_and_changes_not
     assert (watched.engine_steps, watched.updates) == (plain.engine_steps, plain.updates)
     assert plain.updates == [[0, 1, 2], [3, 4, 5], [0, 1, 6], [2, 3, 4]]  # the engine's windows, read from the weights
     assert (report.trainer_steps, report.engine_steps) == (plain.planned, plain.scheduler_steps) == (6, 4)
-    assert [(e.epoch, e.micro_batch, e.drift, e.cause) for e in report.events] == [
-        (1, 7, 1, Cause.PARTIAL_WINDOW), (2, 7, 2, Cause.PARTIAL_WINDOW)]
+    # +1 at epoch 1's end, +2 at epoch 2's, one cause: one entry, said where it started, with where it stood last
+    assert [(e.epoch, e.micro_batch, e.drift, e.cause, e.changes, e.last) for e in report.events] == [
+        (1, 7, 1, Cause.PARTIAL_WINDOW, 2, (2, 7, 6, 4))]
     assert [(row.trainer_steps, row.engine_steps) for row in report.epochs] == [(3, 2), (6, 4)]
     assert [row.engine_steps for row in report.forecast.epochs] == plain.epoch_ends
     assert report.forecast_mismatches == []
@@ -209,7 +210,8 @@ def test_checkpoints_keep_the_record_and_a_resume_carries_the_report_on(tmp_path
         assert resumed.updates == [[0, 1, 2], [3, 4, 5], [6]] and report.events == []
     else:  # the engine's window restarts at the resume: 7 micro-batches make 2 updates, 1 never applied
         assert resumed.epoch_ends == [4] and resumed.unapplied == 1
-        assert [(e.epoch, e.drift) for e in report.events] == [(1, 1), (2, 2)]  # the saved event, then its own
+        # the saved event, then its own change with the same cause: one entry
+        assert [(e.epoch, e.drift, e.changes, e.last_drift) for e in report.events] == [(1, 1, 2, 2)]
 
 
 def test_a_skipped_update_is_seen_and_raise_stops_at_it():

@@ -45,21 +45,31 @@ def check_equals_the_truth(result):
 
 
 def test_the_saves_say_what_they_hold(saved):
-    _, runs = saved
+    from stepsync.tools.audit import audit_output_dir
+
+    out, runs = saved
     # The loop counts 4 updates per epoch, the engine 10 in 3 epochs (accelerate 1.7): step_8 holds engine step 6.
     assert runs["warn"].saved["step_8"] == (8, 6) and runs["warn"].saved["step_12"] == (12, 10)
+    # The first save a resume cannot continue from exactly is said in full; those like it after are counted in one
+    # note that names the last (the report stays the same size however often the loop saves).
+    unsafe = [item.name for item in audit_output_dir(str(out / "warn")).checkpoints if not item.ok]
     notes = runs["warn"].watch.report.notes
-    said = [note for note in notes if note.startswith("checkpoint step_8:")]
-    assert len(said) == 1 and "holds DeepSpeed's step 6 (drift +2)" in said[0]
-    assert "2 micro-batch(es) are in DeepSpeed's open window" in said[0]
+    first = [note for note in notes if note.startswith("checkpoint ")]
+    (later,) = [note for note in notes if "later save(s) like it" in note]
+    count, last = int(later.split()[0]), later.split("the last checkpoint ")[1].split(":")[0]
+    assert len(first) == 1 and first[0].split(":")[0][len("checkpoint "):] in unsafe and last in unsafe
+    assert 1 <= count < len(unsafe) and last == "step_12" and "holds DeepSpeed's step 10 (drift +2)" in later
     assert not [note for note in runs["sync"].watch.report.notes if note.startswith("checkpoint ")]
     # An older copy of the example saves step_N at every micro-batch until the count changes: mid-window.
-    every = [note for note in runs["every"].watch.report.notes if note.startswith("checkpoint step_4:")]
-    assert every[-1].startswith("checkpoint step_4: 2 micro-batch(es) are in DeepSpeed's open window")
+    # Said for the first such save, counted for the rest; each folder's record keeps its own (inspect reads it).
+    every = [note.split(":")[0] for note in runs["every"].watch.report.notes if "DeepSpeed's open window" in note]
+    assert len(every) == 2 and every[0] == "checkpoint step_1" and "later save(s) like it" in every[1]
+    assert every[1].split("the last checkpoint ")[1] in runs["every"].saved
 
 
 @pytest.mark.parametrize("policy, folder, truth, events", [
-    ("warn", "epoch_1", (12, 9), [1, 2, 3]),  # drift +2 carried on, +3 at the last epoch's short window
+    # +1 and +2 at the saved run's epoch ends, carried on, +3 at the last epoch's short window: one cause, one entry
+    ("warn", "epoch_1", (12, 9), [(1, 3, 3)]),
     ("sync", "epoch_1", (12, 12), []),
 ])
 def test_a_resume_at_an_epoch_end_continues_the_report(saved, policy, folder, truth, events):
@@ -68,7 +78,7 @@ def test_a_resume_at_an_epoch_end_continues_the_report(saved, policy, folder, tr
     report = check_equals_the_truth(result)
     assert (result.loop_steps[-1], result.engine.global_steps) == truth
     assert report.resumed_from is not None and report.resumed_from.trainer_steps == 8
-    assert [event.trainer_steps - event.engine_steps for event in report.events] == events
+    assert [(event.drift, event.last_drift, event.changes) for event in report.events] == events
     assert [(row.trainer_steps, row.engine_steps) for row in report.forecast.epochs] == result.epoch_ends
     assert not [note for note in report.notes if "resumes after micro-batch" in note]
 

@@ -104,7 +104,11 @@ def test_backward_outside_accumulate_is_named_with_the_fix():
         assert result.epoch_ends == [(5, 5), (10, 10)] and "the engine updates on every micro-batch" in notes[0]
     assert notes[0].count(" while ") <= 1 and "; put the forward, backward" in notes[0]  # one sentence, read once
     events = result.watch.report.events
-    assert len(events) == (5 if DRIFTS else 0)  # the drift grows at every second micro-batch: +1 .. +5
+    # The drift grows at every second micro-batch, +1 .. +5, with one cause: one entry, said once where it started.
+    truth = [loop - engine for loop, engine in zip(result.loop_steps, result.engine_steps)]
+    changes = sum(1 for before, after in zip([0] + truth, truth) if after != before)
+    assert [(e.drift, e.last_drift, e.changes) for e in events] == ([(1, truth[-1], changes)] if DRIFTS else [])
+    assert changes == (5 if DRIFTS else 0)
     assert all(e.cause.name == "OUTSIDE_ACCUMULATE" and "inside `with accelerator.accumulate" in e.remedy
                for e in events)
     assert not any("please report" in m for m in result.watch.report.forecast_mismatches)
@@ -265,3 +269,33 @@ def test_a_watch_that_cannot_watch_says_so_when_it_starts():
     assert len(said) == 1 and said[0].startswith("stepsync: nothing to watch: the accelerator does not use DeepSpeed "
                                                  "(distributed_type "), said
     assert "Accelerator(cpu=True)" in said[0] and proc.stdout.strip() == "active False"
+
+
+@pytest.mark.skipif(not DRIFTS, reason="needs a drift that grows at every update")
+def test_a_drift_that_grows_at_every_update_is_said_once_and_kept_in_bounds(tmp_path, caplog):
+    """backward outside accumulate(): the drift grows at every second micro-batch. Said once where it starts (with
+    its cause and remedy), then summed once per epoch end; what the report keeps, prints and saves does not grow with
+    the updates: 10 times the micro-batches, the same report."""
+    import json
+    import logging
+
+    from harness.loops import run_loop
+
+    sizes = {}
+    for samples in (5, 50):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="stepsync"):
+            result = run_loop(samples, G, EPOCHS, "warn", outside_accumulate=True, save_to=str(tmp_path / str(samples)))
+        report = result.watch.report
+        said = [r.getMessage() for r in caplog.records if "step drift" in r.getMessage()]
+        assert len([line for line in said if line.startswith("stepsync: step drift")]) == 1, said
+        assert len([line for line in said if " ends with step drift " in line]) == EPOCHS, said
+        (event,) = report.events
+        truth = result.loop_steps[-1] - result.engine_steps[-1]
+        assert (event.drift, event.last_drift) == (1, truth)
+        record = os.path.join(tmp_path, str(samples), f"epoch_{EPOCHS - 1}", "stepsync_state.json")
+        sizes[samples] = (len(str(report).splitlines()), len(json.load(open(record))["events"]),
+                          os.path.getsize(record))
+    lines, events, size = sizes[5]
+    assert sizes[50][:2] == (lines, events) == (sizes[50][0], 1)
+    assert abs(sizes[50][2] - size) < 64  # the same entry, larger numbers in it

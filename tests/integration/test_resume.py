@@ -74,8 +74,12 @@ def test_warn_report_covers_the_whole_run_across_a_resume(tmp_path):
     if not DRIFTS:
         assert report.events == [] and report.drift == 0 and report.resumed_from.unapplied_at_save == 0
         return
-    # The saved run's first event opens the resumed report; the inherited drift is not reported twice.
-    assert report.events[:1] == first and "INHERITED" not in [e.cause.name for e in report.events]
+    # The saved run's first event opens the resumed report (where it started: the full run's entry later held more
+    # changes with its cause); the inherited drift is not reported twice.
+    start = ("epoch", "micro_batch", "trainer_steps", "engine_steps", "cause", "where")
+    assert [[getattr(e, f) for f in start] for e in report.events[:1]] == [[getattr(e, f) for f in start]
+                                                                            for e in first]
+    assert "INHERITED" not in [e.cause.name for e in report.events]
     assert (report.resumed_from.trainer_steps, report.resumed_from.engine_steps) == (4, 3)
     # checkpoint-4 was saved with micro-batch 7 in DeepSpeed's open window: DeepSpeed saves neither its
     # gradient nor micro_steps, so the resumed engine opens fresh windows (updates at resumed micro-batches
@@ -162,9 +166,10 @@ def test_realign_resumed_names_every_micro_batch_never_applied(tmp_path):
     never_trained = (EPOCHS - 1) * n - trained
     unapplied_at_end = trained - rec.engine_updates_at[-1]
     assert (trained, never_trained, unapplied_at_end) == (19, 1, 1)
-    assert report.update_flaws == [f"the run ends at the engine's last update (max_steps=9): the {never_trained} "
-                                   "micro-batch(es) after it are never trained (fewer than G: no update would apply "
-                                   "them)"]
+    assert report.update_flaws == [
+        f"the run ends at the engine's last update (max_steps=9): the {unapplied_at_end + never_trained} micro-batch(es) "
+        f"after it never reach an update ({unapplied_at_end} trained but never applied, {never_trained} never trained; "
+        "fewer than G: no update would apply them)"]
     assert report.unapplied_micro_batches == unapplied_at_end
     text = str(report)
     assert f"never applied: the last {unapplied_at_end} micro-batch(es), in the engine's window that never closed" in text
@@ -188,9 +193,13 @@ def test_the_start_and_the_end_agree_after_a_resume_with_inherited_drift(tmp_pat
     assert (realigned.trainer.state.global_step, realigned.engine.global_steps) == (report.trainer_steps,
                                                                                    report.engine_steps) == (4, 4)
     verdict = report.forecast.verdict()
+    # the truth: 4 of epoch 2's 5 micro-batches trained, the last of them the engine's last update
+    never_trained = N - len(realigned.recording.engine_steps)
+    unapplied = len(realigned.recording.engine_steps) - realigned.recording.engine_updates_at[-1]
+    assert (never_trained, unapplied) == (1, 0)
     assert verdict.startswith("affected: both sides count 4 updates under policy 'realign'; the run ends at the "
-                              "engine's last update (max_steps=4): the 1 micro-batch(es) after it are never trained")
-    assert N - len(realigned.recording.engine_steps) == 1  # the truth: 4 of epoch 2's 5 micro-batches trained
+                              "engine's last update (max_steps=4): the 1 micro-batch(es) after it never reach an "
+                              "update (0 trained but never applied, 1 never trained")
     # The inherited drift is an event; realign taking it back at its first correction is a note, not a "+0" event.
     assert [(event.cause.name, event.drift) for event in report.events] == [("INHERITED", 1)]
     assert any("the drift +1 carried until then is taken back" in note for note in report.notes)

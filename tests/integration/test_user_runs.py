@@ -110,6 +110,24 @@ def truth_events(recording, start_drift, policy=None):
     return events
 
 
+def entries_hold(entries, before, truth):
+    """The report's entries hold exactly the changes of ``truth`` this run made, after the ``before`` it resumed
+    with: each new entry starts at a change, an entry that changed again ends at the change its count reaches, and a
+    saved entry the run continued (the same cause) holds the first changes."""
+    assert entries[:max(len(before) - 1, 0)] == before[:-1]
+    done, new = 0, entries[len(before):]
+    if before:
+        kept, now = before[-1], entries[len(before) - 1]
+        done = now.changes - kept.changes
+        assert done == 0 and now == kept or now.last[2:] == truth[done - 1][1:], (now, truth)
+    for entry in new:
+        assert (entry.where, entry.trainer_steps, entry.engine_steps) == truth[done], (entry, truth)
+        done += entry.changes
+        assert entry.last is None or entry.last[2:] == truth[done - 1][1:], (entry, truth)
+    assert done == len(truth), (entries, truth)
+    return True
+
+
 def check(result, case, out, resumed):
     from stepsync.tools.audit import audit_output_dir
 
@@ -121,12 +139,11 @@ def check(result, case, out, resumed):
     assert (report.trainer_steps, report.engine_steps) == (state.global_step, rec.engine_steps[-1])
     assert rec.trainer_steps[-1] == state.global_step
     assert report.micro_batches == len(rec.engine_steps)
-    # Every change of the drift is an event, and only those.
+    # Every change of the drift is in an entry, and only those (changes with one cause are one entry).
     saved = report.resumed_from
-    new_events = report.events[len(saved.events):] if saved else report.events
     start_drift = saved.drift if saved else 0
     truth = truth_events(rec, start_drift, case["policy"])
-    assert [(e.where, e.trainer_steps, e.engine_steps) for e in new_events] == truth
+    assert entries_hold(report.events, saved.events if saved else [], truth)
     taken_back = [note for note in report.notes if "carried until then is taken back" in note]
     assert len(taken_back) == len(truth_events(rec, start_drift)) - len(truth)
     # Every log record carries the metrics, with the counts of the moment it was written.
@@ -138,6 +155,9 @@ def check(result, case, out, resumed):
         assert logs["stepsync/engine_steps"] == engine, logs
     # Each checkpoint's folder, DeepSpeed tag and record agree with the truth at its save; inspect says so.
     saves = dict(rec.saves)
+    # the micro-batches in the engine's open window at each save: since its last update (lost on resume)
+    lost = {trainer: at - max([e for e in rec.engine_updates_at if e <= at] or [0])
+            for (trainer, _), at in zip(rec.saves, rec.saved_after)}
     folders = sorted(name for name in os.listdir(out) if name.startswith("checkpoint-"))
     if folders:
         audit = {item.name: item for item in audit_output_dir(str(out)).checkpoints}
@@ -146,7 +166,8 @@ def check(result, case, out, resumed):
             engine = saves[trainer]
             item = audit[name]
             assert (item.trainer_step, item.deepspeed_step, item.problems) == (trainer, engine, []), name
-            assert item.ok == (trainer == engine), (name, item.mismatches)
+            assert item.unapplied_at_save == lost[trainer], (name, lost)
+            assert item.ok == (trainer == engine and not lost[trainer]), (name, item.mismatches)
             if item.record is not None:
                 assert (item.record.trainer_steps, item.record.engine_steps) == (trainer, engine)
     # The run ends like a normal one: its plan reached, the last checkpoint and evaluation made.
