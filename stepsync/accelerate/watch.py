@@ -255,7 +255,9 @@ class LoopWatch(LoopAdapter):
         run.after_micro_batch(updated, self.loop_steps)
         if updated and run.observing and getattr(self.accelerator, "trackers", None):
             self._observe("accelerator.log", self._log_metrics, run.engine_steps_seen, run.updates.metrics())
-        if self._dataloader_ended:
+        # The dataloader says its end as it yields its last batch: a loop that gathers its window first (accelerate's
+        # autoregressive example) runs several micro-batches after that. The epoch ends at the last of them.
+        if self._dataloader_ended and (run.n is None or run.position >= run.n):
             run.end_epoch(self.loop_steps)
             self._epoch_open = self._dataloader_ended = False
 

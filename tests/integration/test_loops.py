@@ -226,6 +226,24 @@ def test_a_loop_with_its_own_windows_is_held_to_its_optimizer_steps():
     assert any("not where your loop calls optimizer.step()" in note for note in report.notes)
 
 
+@pytest.mark.parametrize("policy", ["warn", "sync"])
+def test_a_loop_that_gathers_its_window_first_is_counted_one_epoch_per_epoch(policy):
+    """17 micro-batches, G=5, 3 epochs: the example gathers each window's batches before its first backward, so the
+    dataloader says its end while the last window (2 micro-batches) still has backward() calls to run. Each epoch
+    is counted once, where its last micro-batch ran: the truth is the loop's own windows (4 an epoch) and the engine's
+    count after each epoch's last window."""
+    from harness.loops import run_window_loop
+
+    run = run_window_loop(17, 5, 3, policy=policy)
+    report = run.watch.report
+    assert run.error is None and run.optimizer_steps == 12
+    truth = [(4 * epoch, run.engine_steps[4 * epoch - 1]) for epoch in (1, 2, 3)]
+    assert [(row.epoch, row.micro_batches) for row in report.epochs] == [(1, 17), (2, 17), (3, 17)]
+    assert [(row.trainer_steps, row.engine_steps) for row in report.epochs] == truth
+    assert all(event.epoch <= 3 and (event.last is None or event.last[0] <= 3) for event in report.events)
+    assert "trained: 3 epoch(s), 51 micro-batch(es)" in str(report)
+
+
 def test_sync_makes_a_loops_own_windows_its_updates_or_says_why_it_cannot():
     """policy 'sync' on that loop: accelerate 1.7 leaves the boundary to stepsync, which closes each window at the
     loop's optimizer.step() (one update per window, every micro-batch applied whole, read from the weights);
