@@ -15,11 +15,31 @@ from typing import Any, Optional, Tuple
 from ..core.errors import UnsafeCheckpointError
 from ..core.plan import RunPlan
 from ..core.record import RECORD_FILE, ResumeRecord, load_record, write_json
+from ..core.relayout import Layout, places_by_name
 from ..engine.lifecycle import RunStart, start_training
 from ..engine.resume import UnsafeSaves, record_of
 from ..engine.run import Run
 
 _NUMBER_AT_END = re.compile(r"(\d+)$")
+
+
+def loop_layout(engine: Any, dataloader: Any, g: int, n: Optional[int]) -> Optional[Layout]:
+    """How a loop splits its data (ranks, per-device batch, G, the dataset's length), kept in each ``save_state``
+    record; None where the dataloader does not say it, or says another epoch than the ``n`` it yields."""
+    # a prepared dataloader keeps its batch size on its batch sampler (accelerate's BatchSamplerShard and the like)
+    batch = getattr(dataloader, "batch_size", None) or getattr(getattr(dataloader, "batch_sampler", None),
+                                                                "batch_size", None)
+    try:
+        examples = len(dataloader.dataset)
+    except (AttributeError, TypeError):
+        return None
+    world = getattr(engine, "dp_world_size", None) or 1
+    if not isinstance(batch, int) or batch < 1 or not examples:
+        return None
+    stage = getattr(engine, "zero_optimization_stage", None)
+    layout = Layout(int(world), batch, g, examples, stage() if callable(stage) else None,
+                    getattr(dataloader, "drop_last", False) is True)
+    return layout if layout.micro_batches_per_epoch == n else None
 
 
 class LoopCheckpoints:
@@ -77,10 +97,11 @@ class LoopCheckpoints:
             loop_steps, epoch, skip, placed = record.trainer_steps, record.next_epoch, record.next_skip, True
             if n is not None and skip >= n:
                 epoch, skip = epoch + 1, 0
-            if skipped_here is not None and skipped_here != skip:
+            resumed, how = self._where_the_loop_resumes(folder, n, run.g, epoch, skipped_here)
+            if resumed != (epoch, skip):
                 # The loop's windows then restart where it resumes, not where the rule places them: no forecast.
-                self._say_the_loops_resume(run, folder, epoch, skip, skipped_here, record.unapplied_at_save)
-                skip, placed = skipped_here, False
+                self._say_the_loops_resume(run, folder, (epoch, skip), resumed, how, n, record.unapplied_at_save)
+                (epoch, skip), placed = resumed, False
         plan = None
         if n is not None and num_epochs is not None and placed:
             plan = RunPlan(n, run.g, num_epochs, -1, loop_steps, engine_steps, start=(epoch, skip))
@@ -105,23 +126,42 @@ class LoopCheckpoints:
         return 0
 
     @staticmethod
-    def _say_the_loops_resume(run: Run, folder: str, epoch: int, saved_at: int, skipped: int, unapplied: int) -> None:
-        """The loop resumed elsewhere in the epoch than the checkpoint was saved at: micro-batches skipped or
-        applied twice (training again those whose gradients the save lost applies them once)."""
-        name, where = os.path.basename(os.path.normpath(folder)), f"of epoch {epoch + 1}"
-        lost = min(unapplied, saved_at)
-        if skipped > saved_at:
-            what = f"skips {skipped - saved_at} micro-batch(es) {where} that were never trained"
-        elif saved_at - skipped <= lost:
-            run.voice.note(f"{name} was saved after micro-batch {saved_at} {where} with {lost} in DeepSpeed's open "
-                           f"window; your loop resumes after micro-batch {skipped}, so it trains again "
-                           f"{saved_at - skipped} whose gradients the save lost: each is applied once")
+    def _where_the_loop_resumes(folder: str, n: Optional[int], g: int, epoch: int,
+                                skipped: Optional[int]) -> Tuple[Tuple[int, int], str]:
+        """(0-based epoch, micro-batches skipped in it) where the loop resumes, and how that is known: the examples'
+        arithmetic on the folder's name (accelerate's checkpointing.py or transformers' run_*_no_trainer.py),
+        whichever skips what the loop skipped (``skip_first_batches``); else the record's epoch at that skip."""
+        name = os.path.basename(os.path.normpath(folder))
+        at = skipped or 0
+        found = {place: how for how, place in places_by_name(name, n or 0, g) if place[1] == at}
+        if len(found) == 1:
+            (place, how), = found.items()
+            return place, f"as {how} places {name}"
+        return (epoch, at if skipped is not None else 0), "skip_first_batches"
+
+    @staticmethod
+    def _say_the_loops_resume(run: Run, folder: str, saved: Tuple[int, int], resumed: Tuple[int, int], how: str,
+                              n: Optional[int], unapplied: int) -> None:
+        """The loop resumed elsewhere than the checkpoint was saved at (another epoch, or another micro-batch of it):
+        micro-batches skipped or trained twice (training again those whose gradients the save lost applies them
+        once)."""
+        name = os.path.basename(os.path.normpath(folder))
+        per_epoch = n or 0
+        saved_at, resumed_at = saved[0] * per_epoch + saved[1], resumed[0] * per_epoch + resumed[1]
+        lost = min(unapplied, saved[1])
+        stood = f"epoch {saved[0] + 1}, after micro-batch {saved[1]}"
+        lands = f"epoch {resumed[0] + 1}, after micro-batch {resumed[1]}"
+        if resumed_at > saved_at:
+            what = f"skips {resumed_at - saved_at} micro-batch(es) that were never trained"
+        elif saved_at - resumed_at <= lost:
+            run.voice.note(f"{name} was saved at {stood} with {lost} in DeepSpeed's open window; your loop resumes at "
+                           f"{lands}, so it trains again {saved_at - resumed_at} whose gradients the save lost: each "
+                           "is applied once")
             return
         else:
-            what = f"applies {saved_at - skipped - lost} micro-batch(es) {where} a second time"
-        text = (f"{name} was saved after micro-batch {saved_at} {where}, but your loop resumes after micro-batch "
-                f"{skipped} of it (skip_first_batches): it {what}; place the resume with the position stepsync saved "
-                f"({RECORD_FILE}: next_epoch, next_skip), not with the folder's name")
+            what = f"trains {saved_at - resumed_at - lost} micro-batch(es) a second time"
+        text = (f"{name} was saved at {stood}, but your loop resumes at {lands} ({how}): it {what}; place the resume "
+                f"with the position stepsync saved ({RECORD_FILE}: next_epoch, next_skip), not with the folder's name")
         if run.policy.stops:
             raise UnsafeCheckpointError(f"{text}; policy '{run.policy.value}' stops before the first micro-batch")
         run.voice.warn(text)

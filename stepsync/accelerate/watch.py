@@ -34,7 +34,7 @@ from ..engine.lifecycle import RunStart, close_run, idle_report, open_run, say_t
 from ..engine.loop_objects import InstancePatches, LoopAdapter, length_of
 from ..engine.policies import loop_action_for
 from ..engine.run import Run
-from .checkpoints import LoopCheckpoints
+from .checkpoints import LoopCheckpoints, loop_layout
 
 OUTSIDE_ACCUMULATE = ("accelerator.backward() ran outside `with accelerator.accumulate(model):` with "
                       "gradient_accumulation_steps={g}: there sync_gradients stays True, so {effect}; put the "
@@ -127,7 +127,8 @@ class LoopWatch(LoopAdapter):
         self._opened = RunStart(ACCELERATE_LOOP, self.policy, engine, behaviour, n, g, self.output,
                                 is_main=bool(getattr(getattr(accelerator, "state", None), "is_main_process", True)),
                                 plan=plan, action=loop_action_for(self.policy), asked_g=g_asked(asked_g, in_force),
-                                loss_normalisation=self.loss_normalisation)
+                                loss_normalisation=self.loss_normalisation,
+                                layout=loop_layout(engine, dataloader, g, n))
         # The forecast waits for the first micro-batch: a load_state before it changes where the loop starts.
         open_run(self._opened, self._keep, training_starts=False)
         if n is None and self._run is not None:

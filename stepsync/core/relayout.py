@@ -170,6 +170,21 @@ def micro_batch_landing(layout: Layout, micro_batches: int) -> Tuple[int, int]:
     return micro_batches // n, (micro_batches % n) * layout.samples_per_micro_batch
 
 
+def places_by_name(name: str, n: int, g: int) -> List[Tuple[str, Tuple[int, int]]]:
+    """Where the examples' resume from a ``save_state`` folder called ``name`` lands, in (0-based epoch, micro-batches
+    done in it) of ``n`` per epoch: ``epoch_E`` at the next epoch's start; ``step_N`` after N micro-batches
+    (accelerate's examples/by_feature/checkpointing.py) or after N * G (transformers' run_*_no_trainer.py), whole
+    epochs first."""
+    kind, _, number = name.rpartition("_")
+    if not number.isdigit() or n < 1:
+        return []
+    if kind == "epoch":
+        return [("the examples' epoch_N arithmetic", (int(number) + 1, 0))]
+    count = int(number)
+    return [("accelerate's checkpointing.py arithmetic (N micro-batches)", (count // n, count % n)),
+            ("transformers' run_*_no_trainer.py arithmetic (N * G micro-batches)", (count * g // n, count * g % n))]
+
+
 def clamped(layout: Layout, where: Tuple[int, int]) -> Tuple[int, int]:
     """A (0-based epoch, slot) as a position of the epoch's order: the padding's slots all stand at its end."""
     return where[0], min(where[1], layout.examples)

@@ -18,8 +18,9 @@ from ..core import record as checkpoint
 from ..core.errors import AuditInputError
 from ..core.frameworks import ACCELERATE_LOOP, FRAMEWORKS, TRAINER, Framework
 from ..core.record import ResumeRecord, rng_state_ranks
+from ..core.relayout import places_by_name
 from .archives import archive_problem, int_in_pickle
-from .audit_words import ADJUSTED, EXPLAINED, SEVERAL, Mismatch, listed
+from .audit_words import ADJUSTED, EXPLAINED, NAMES_ELSEWHERE, SEVERAL, Mismatch, listed
 from .storage import Located, checkpoints_under, locate
 
 _TAG = re.compile(r"^global_step(\d+)$")
@@ -107,11 +108,29 @@ class CheckpointAudit:
             return None
         return self.counted - self.deepspeed_step
 
+    @property
+    def name_places(self) -> Optional[str]:
+        """For a loop's ``save_state`` folder whose record keeps its layout: where the examples' arithmetic on its
+        name places a resume, where that is not where the run stood (None where it is, or cannot be told)."""
+        record = self.record
+        layout = record.layout if record is not None and self.loop else None
+        if record is None or layout is None:
+            return None
+        n = layout.micro_batches_per_epoch
+        stood = (record.next_epoch + 1, 0) if record.next_skip >= n else (record.next_epoch, record.next_skip)
+        places = places_by_name(self.name, n, layout.gradient_accumulation_steps)
+        if not places or any(place == stood for _, place in places):
+            return None
+        named = " or ".join(f"epoch {epoch + 1}, after micro-batch {skip} ({how})" for how, (epoch, skip) in places)
+        return f"{self.name}'s name places a resume at {named}; it holds the run at epoch {stood[0] + 1}, after " \
+               f"micro-batch {stood[1]}"
+
     def to_dict(self) -> dict:
         data = asdict(replace(self, record=None, findings=[]))
         del data["record"], data["findings"]
         return {**data, "mismatches": self.mismatches, "drift": self.drift, "ok": self.ok,
                 "unapplied_at_save": self.unapplied_at_save, "adjusted_by": self.adjusted_by,
+                "name_places": self.name_places,
                 "stepsync_record": self.record.to_dict() if self.record else None}
 
 
@@ -155,13 +174,19 @@ class OutputAudit:
         return said
 
     def on_purpose(self) -> List[str]:
-        """What differs on purpose, once per policy: a trainer_state.json step that stepsync wrote (realign and
-        drop_last) beside the folder's own number."""
+        """What a reader must know of the folders, each kind said once: a trainer_state.json step that stepsync wrote
+        on purpose (realign and drop_last) beside the folder's own number, once per policy; and a loop's folders whose
+        names place a resume elsewhere than their record holds the run."""
         adjusted: Dict[str, List[str]] = {}
         for item in self.checkpoints:
             if item.adjusted_by:
                 adjusted.setdefault(item.adjusted_by, []).append(item.name)
-        return [f"{listed(names)} (policy '{policy}'): {ADJUSTED}" for policy, names in adjusted.items()]
+        said = [f"{listed(names)} (policy '{policy}'): {ADJUSTED}" for policy, names in adjusted.items()]
+        named = [item.name_places for item in self.checkpoints if item.name_places]
+        if named:
+            more = f"; and {len(named) - 2} more like them" if len(named) > 2 else ""
+            said.append("; ".join(named[:2]) + f"{more}: {NAMES_ELSEWHERE}")
+        return said
 
     def to_dict(self) -> dict:
         safe = self.safe

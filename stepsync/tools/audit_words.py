@@ -41,6 +41,10 @@ SEVERAL = {
     "renamed": "are named for other steps than their trainer_state.json says",
     "record_and_tag": "hold stepsync records of other engine steps than DeepSpeed's tags",
 }
+NAMES_ELSEWHERE = ("a script that places its resume by the folder's name lands there, not where the run stood: place "
+                   "it with the record's position (stepsync_state.json: next_epoch, next_skip; "
+                   "stepsync.resume_settings(..., loop='accelerate') gives the settings), and stepsync.watch says at "
+                   "the first micro-batch where a resume lands and what it trains twice or skips")
 ADJUSTED = ("trainer_state.json's global_step differs from the folder's number on purpose: stepsync wrote the step "
             "that lands the Trainer's resume on the next untrained micro-batch (the Trainer places a resume by "
             "global_step alone), and the folder, DeepSpeed's tag and stepsync's record keep the real count: resume "

@@ -86,7 +86,8 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
     it checked ``sync_gradients`` did); ``resume_from`` loads one and places the data with the example's own
     arithmetic (transformers' ``examples/pytorch/language-modeling/run_clm_no_trainer.py``).
     ``names_count_micro_batches`` names and places them as accelerate's ``examples/by_feature/checkpointing.py``
-    does: ``step_N`` every G micro-batches, N counting micro-batches, and on resume N micro-batches skipped.
+    does: ``step_N`` every G micro-batches, N counting micro-batches, and on resume N micro-batches skipped (whole
+    epochs first), its count then restarting at the skip within the epoch (``overall_step += resume_step``).
     """
     cpu_distributed_env()
     import torch
@@ -160,7 +161,7 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
                     completed += 1
                 result.loop_steps.append(completed)
                 result.engine_steps.append(engine.global_steps)
-                overall = len(result.loop_steps)
+                overall = len(result.loop_steps) + ((resume_step or 0) if names_count_micro_batches else 0)
                 if save_to and names_count_micro_batches and overall % gas == 0:
                     accelerator.save_state(os.path.join(save_to, f"step_{overall}"))
                     result.saved[f"step_{overall}"] = (completed, engine.global_steps)

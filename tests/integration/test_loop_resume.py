@@ -80,7 +80,7 @@ def test_a_resume_at_an_epoch_end_continues_the_report(saved, policy, folder, tr
     assert report.resumed_from is not None and report.resumed_from.trainer_steps == 8
     assert [(event.drift, event.last_drift, event.changes) for event in report.events] == events
     assert [(row.trainer_steps, row.engine_steps) for row in report.forecast.epochs] == result.epoch_ends
-    assert not [note for note in report.notes if "resumes after micro-batch" in note]
+    assert not [note for note in report.notes if "your loop resumes at" in note]
 
 
 @pytest.mark.parametrize("policy, truth", [("warn", (10, 8)), ("sync", (10, 10))])
@@ -91,11 +91,11 @@ def test_the_examples_arithmetic_skips_data_and_the_watch_says_how_much(saved, p
     report = check_equals_the_truth(result)
     assert (result.loop_steps[-1], result.engine.global_steps) == truth
     assert len(result.trained) == N - 4  # the truth: 4 micro-batches of epoch 3 never trained
-    said = [note for note in report.notes if "resumes after micro-batch" in note]
-    assert said == ["step_8 was saved after micro-batch 0 of epoch 3, but your loop resumes after micro-batch 4 of "
-                    "it (skip_first_batches): it skips 4 micro-batch(es) of epoch 3 that were never trained; place "
-                    "the resume with the position stepsync saved (stepsync_state.json: next_epoch, next_skip), not "
-                    "with the folder's name"]
+    said = [note for note in report.notes if "your loop resumes at" in note]
+    assert said == ["step_8 was saved at epoch 3, after micro-batch 0, but your loop resumes at epoch 3, after "
+                    "micro-batch 4 (as transformers' run_*_no_trainer.py arithmetic (N * G micro-batches) places "
+                    "step_8): it skips 4 micro-batch(es) that were never trained; place the resume with the position "
+                    "stepsync saved (stepsync_state.json: next_epoch, next_skip), not with the folder's name"]
 
 
 def test_raise_stops_before_a_resume_that_skips_data(saved):
@@ -222,4 +222,42 @@ def test_a_loop_that_names_its_checkpoints_by_micro_batches(tmp_path):
         settings.message()
     assert report.resumed_from.unapplied_at_save == 2 and (report.trainer_steps, report.engine_steps) == truth
     assert truth == (12, 12)
-    assert not [note for note in report.notes if "resumes after micro-batch" in note]
+    assert not [note for note in report.notes if "your loop resumes at" in note]
+
+
+def test_a_loop_that_resumes_in_another_epoch_than_its_checkpoint_is_said(tmp_path):
+    """accelerate's examples/by_feature/checkpointing.py restarts its step counter at the in-epoch offset after a
+    resume, so a resumed run names its folders too small: G=1, 13 micro-batches an epoch, 3 epochs; resumed from
+    step_20 (epoch 2, micro-batch 7), that run's step_10 holds epoch 2, micro-batch 10, and the script, reading the
+    name, resumes at epoch 1, micro-batch 10: it trains 13 micro-batches twice. The watch says so before the first
+    backward, numbers the epochs as the loop runs them, and raise stops there."""
+    from harness.loops import run_loop
+    from stepsync.core.errors import UnsafeCheckpointError
+
+    def resumed(policy, folder, save_to=None):
+        return run_loop(13, 1, 3, policy, resume_from=str(folder), save_to=save_to, names_count_micro_batches=True)
+
+    run_loop(13, 1, 3, "warn", save_to=str(tmp_path / "full"), names_count_micro_batches=True)
+    first = resumed("warn", tmp_path / "full" / "step_20", str(tmp_path / "first"))
+    assert first.saved["step_10"][1] == 23  # the truth of what the folder holds: 23 updates, 20 + 3 micro-batches
+    second = resumed("warn", tmp_path / "first" / "step_10")
+    # The truth, counted from the loops: 23 micro-batches were trained before that save, 39 planned.
+    twice = 23 + len(second.trained) - 39
+    assert twice == 13 and second.trained[0][0] == 0  # the script resumed in epoch 1 (0-based 0)
+    report = second.watch.report
+    said = [note for note in report.notes if note.startswith("step_10 was saved at epoch 2, after micro-batch 10")]
+    assert said and "your loop resumes at epoch 1, after micro-batch 10" in said[0]
+    assert f"it trains {twice} micro-batch(es) a second time" in said[0]
+    assert [row.epoch for row in report.epochs] == [1, 2, 3]  # numbered as the loop ran them
+    # inspect says it of the folder, once for all that are named so (the first run's folders hold epoch 2 and 3)
+    from harness.cli import stepsync
+    from stepsync.tools.audit import audit_output_dir
+
+    items = {item.name: item for item in audit_output_dir(str(tmp_path / "first")).checkpoints}
+    assert items["step_10"].name_places.startswith("step_10's name places a resume at epoch 1, after micro-batch 10")
+    assert items["step_10"].name_places.endswith("it holds the run at epoch 2, after micro-batch 10")
+    flat = " ".join(stepsync("inspect", str(tmp_path / "first")).stdout.split())
+    assert flat.count("a script that places its resume by the folder's name lands there") == 1
+    stopped = resumed("raise", tmp_path / "first" / "step_10")
+    assert isinstance(stopped.error, UnsafeCheckpointError) and len(stopped.trained) == 1
+    assert stopped.engine.global_steps == 23  # nothing applied
