@@ -17,7 +17,7 @@ from ..core.plan import RunPlan
 from ..core.record import RECORD_FILE, ResumeRecord, load_record, write_json
 from ..core.relayout import Layout, places_by_name
 from ..engine.lifecycle import RunStart, start_training
-from ..engine.resume import UnsafeSaves, record_of
+from ..engine.resume import Schedule, UnsafeSaves, engines_schedule, record_of
 from ..engine.run import Run
 
 _NUMBER_AT_END = re.compile(r"(\d+)$")
@@ -40,6 +40,10 @@ def loop_layout(engine: Any, dataloader: Any, g: int, n: Optional[int]) -> Optio
     layout = Layout(int(world), batch, g, examples, stage() if callable(stage) else None,
                     getattr(dataloader, "drop_last", False) is True)
     return layout if layout.micro_batches_per_epoch == n else None
+
+
+LOOP_KEEPS = ("accelerator.save_state keeps a scheduler given to prepare() in scheduler.bin and load_state restores "
+              "it; one created or prepared after load_state starts over")
 
 
 class LoopCheckpoints:
@@ -106,12 +110,30 @@ class LoopCheckpoints:
         if n is not None and num_epochs is not None and placed:
             plan = RunPlan(n, run.g, num_epochs, -1, loop_steps, engine_steps, start=(epoch, skip))
         start_training(run, dataclasses.replace(opened, trainer_steps=loop_steps, plan=plan, start_epoch=epoch,
-                                                skip=skip, record=record), resumed=True)
+                                                skip=skip, record=record,
+                                                schedules=self.schedules(run, trusted=record is not None)),
+                       resumed=True)
         if record is None:
             run.voice.note(f"resumed from {folder}, saved without stepsync: your loop's count before it is not kept "
                            f"there, so it is taken as the engine's ({engine_steps}); a drift the checkpoint carries "
                            "cannot be seen, and epochs are numbered from the resume")
         return loop_steps
+
+    def schedules(self, run: Run, trusted: bool) -> Tuple[Schedule, ...]:
+        """The LR schedulers the loop prepared: DeepSpeed's own type the engine steps; a torch one accelerate steps
+        once per process at each of the loop's updates (once, with split_batches), held against the loop's count only
+        where it is ``trusted`` (a record kept it)."""
+        found = list(engines_schedule(run.engine))
+        state = getattr(self.accelerator, "state", None)
+        for prepared in getattr(self.accelerator, "_schedulers", None) or []:
+            inner = getattr(prepared, "scheduler", prepared)
+            if inner is getattr(run.engine, "lr_scheduler", None) or not trusted or \
+                    not getattr(prepared, "step_with_optimizer", False):
+                continue
+            per_update = 1 if getattr(prepared, "split_batches", False) else int(
+                getattr(state, "num_processes", 1) or 1)
+            found.append(Schedule(prepared, False, LOOP_KEEPS, per_update))
+        return tuple(found)
 
     def _skipped_by_the_loop(self) -> Optional[int]:
         """The micro-batches the loop skipped in the epoch it resumes in (accelerate's ``skip_first_batches``)."""

@@ -168,7 +168,7 @@ class LoopWatch(LoopAdapter):
         self._patches.set(accelerator, "accumulate", watched_accumulate)
         self._patches.set(accelerator, "clip_grad_norm_", watched_clip)
         for optimizer in getattr(accelerator, "_optimizers", ()):
-            self._patches.set(optimizer, "step", self._watched_optimizer_step(optimizer.step))
+            self._patches.set(optimizer, "step", self._watched_optimizer_step(optimizer.step), as_method=True)
         save_state, load_state = getattr(accelerator, "save_state", None), getattr(accelerator, "load_state", None)
         if save_state is None or load_state is None:
             return

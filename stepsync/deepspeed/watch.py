@@ -37,6 +37,7 @@ from ..engine.faults import guarded
 from ..engine.lifecycle import RunStart, close_run, idle_report, make_forecast, open_run
 from ..engine.loop_objects import InstancePatches, LoopAdapter, length_of
 from ..engine.policies import engine_loop_action_for
+from ..engine.resume import engines_schedule
 from ..engine.run import Run
 from .checkpoints import EngineCheckpoints, checkpoint_folder
 
@@ -122,7 +123,7 @@ class EngineWatch(LoopAdapter):
         self._opened = RunStart(DEEPSPEED_LOOP, self.policy, engine, behaviour, n, g, self.output,
                                 is_main=int(getattr(engine, "global_rank", 0) or 0) == 0, trainer_steps=start,
                                 plan=plan, action=engine_loop_action_for(self.policy),
-                                loss_normalisation=self.loss_normalisation)
+                                loss_normalisation=self.loss_normalisation, schedules=engines_schedule(engine))
         run, _ = open_run(self._opened, self._keep, training_starts=False)
         self.loop_steps = start
         self._closes_at_backward = run.facts.reduces_at_backward

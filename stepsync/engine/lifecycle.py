@@ -27,7 +27,7 @@ from ..core.weights import weight_faults
 from ..display.output import ConsoleOutput, logger
 from .outputs import watch_outputs
 from .policies import action_for
-from .resume import continue_from
+from .resume import Schedule, check_the_schedules, continue_from
 from .run import Run
 from .steering import PolicyAction, Steering
 from .tokens import watch_tokens
@@ -65,6 +65,8 @@ class RunStart:
             make it so in this run (default: the framework's).
         client_faults: what the framework's client does to every update that stepsync cannot undo (TRL's GRPO
             dividing by a generation batch's tokens), said before the first micro-batch.
+        schedules: the LR schedulers the run steps, held at the start against the updates made (a resume's must
+            stand where its checkpoint left them).
     """
 
     framework: Framework
@@ -92,6 +94,7 @@ class RunStart:
     loss_normalisation: Normalisation = Normalisation.TOKEN_MEAN
     loss_fix: Optional[str] = None
     client_faults: Tuple[str, ...] = ()
+    schedules: Tuple[Schedule, ...] = ()
 
 
 def idle_report(framework: Framework, policy: Policy, reason: str = "", level: int = logging.INFO,
@@ -188,8 +191,23 @@ def start_training(run: Run, start: RunStart, resumed: bool = False, forecast_no
         make_forecast(run, start)
     if start.record is not None:
         continue_from(run, start.record)
+        _say_a_resume_that_trains_nothing(run, start.record)
+    check_the_schedules(run, start.schedules, start.trainer_steps,
+                        "after the resume" if start.trainer_steps or run.engine_steps_seen else "at the start")
     run.check(start.trainer_steps, "train_begin", start.inherited_remedy)
     run.updates.compare_ranks(run, "train begin")
+
+
+def _say_a_resume_that_trains_nothing(run: Run, record: ResumeRecord) -> None:
+    """The checkpoint already stands at the plan's end: the resumed run trains nothing (and a job that reports
+    'training finished' would say so with no update made)."""
+    predicted = run.report.forecast
+    if predicted is None or any(row.micro_batches for row in predicted.epochs):
+        return
+    _refuse_or_warn(run, f"the resumed run trains nothing: its checkpoint holds {record.trainer_steps} update(s) "
+                         f"({run.report.counter}; the plan has {predicted.planned_steps}), already the end of the "
+                         "plan: resume from an earlier checkpoint, or raise the epochs or max_steps to train on",
+                    "before the first micro-batch")
 
 
 def make_forecast(run: Run, start: RunStart) -> None:

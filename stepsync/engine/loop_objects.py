@@ -2,7 +2,9 @@
 on one instance (a loop's ``backward``, an optimizer's ``step``) that must be given back as they were."""
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple, TypeVar
+import functools
+import types
+from typing import Any, Callable, List, Optional, Tuple, TypeVar
 
 from ..core.report import SyncReport
 from .faults import Adapter
@@ -21,6 +23,15 @@ def length_of(loader: Any) -> Optional[int]:
         return None
 
 
+def bound_to(owner: Any, function: Callable[..., Any]) -> Any:
+    """``function`` as a method of ``owner``, called with the arguments the method is called with."""
+    def method(_owner: Any, *args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
+
+    functools.update_wrapper(method, function)
+    return types.MethodType(method, owner)
+
+
 class InstancePatches:
     """Attributes set on single instances, each given back by :meth:`restore`: the instance's own earlier
     attribute when it had one (another wrapper), else none, so that its class's method shows through again."""
@@ -28,9 +39,11 @@ class InstancePatches:
     def __init__(self) -> None:
         self._saved: List[Tuple[Any, str, Any]] = []
 
-    def set(self, owner: Any, name: str, value: Any) -> None:
+    def set(self, owner: Any, name: str, value: Any, as_method: bool = False) -> None:
+        """Set ``owner.name`` to ``value``; ``as_method``: as a method bound to ``owner``, for code that wraps it as
+        one (an LR scheduler built on an optimizer reads its ``step.__func__``)."""
         self._saved.append((owner, name, vars(owner).get(name)))
-        setattr(owner, name, value)
+        setattr(owner, name, bound_to(owner, value) if as_method else value)
 
     def restore(self) -> None:
         for owner, name, original in reversed(self._saved):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict
-from typing import Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
 from ..core.errors import UnsafeCheckpointError
 from ..core.plan import resume_steps_for
@@ -85,3 +85,56 @@ class UnsafeSaves:
         else:
             self.said = True
             run.voice.warn(text + " (later saves like it are counted in the report)")
+
+
+class Schedule(NamedTuple):
+    """An LR scheduler a run steps, and what steps it: ``by_engine`` (DeepSpeed steps it at each update it applies)
+    or the framework's count times ``per_update`` (accelerate steps a prepared scheduler once per process at each
+    update of the loop); ``kept_in`` says which checkpoint file restores it."""
+
+    scheduler: Any
+    by_engine: bool
+    kept_in: str
+    per_update: int = 1
+
+
+ENGINE_KEEPS = ("DeepSpeed restores it with the engine's count from global_stepN/mp_rank_00_model_states.pt (its "
+                "lr_scheduler entry) only where the checkpoint is loaded with load_lr_scheduler_states=True")
+
+
+def engines_schedule(engine: Any) -> Tuple[Schedule, ...]:
+    """The LR scheduler DeepSpeed steps at each update it applies, where the engine holds one."""
+    scheduler = getattr(engine, "lr_scheduler", None)
+    return () if scheduler is None else (Schedule(scheduler, True, ENGINE_KEEPS),)
+
+
+def schedule_position(scheduler: Any) -> Optional[int]:
+    """The steps ``scheduler`` has taken: DeepSpeed's own (``last_batch_iteration + 1``) or torch's (``last_epoch``:
+    its construction's own step counts 0), through accelerate's wrappers; None where it keeps neither."""
+    inner = getattr(scheduler, "scheduler", scheduler)
+    for name, offset in (("last_batch_iteration", 1), ("last_epoch", 0)):
+        value = getattr(inner, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value + offset
+    return None
+
+
+def check_the_schedules(run: Run, schedules: Sequence[Schedule], trainer_steps: int, where: str) -> None:
+    """Each LR schedule stands where the updates made say it should (at a resume: where the checkpoint left it); one
+    that restarted or stepped more is said with the file that should have restored it, or refused under raise."""
+    applied = run.engine.global_steps - (run.engine.skipped_steps if run.counts_skips else 0)
+    for schedule in schedules:
+        position = schedule_position(schedule.scheduler)
+        expected = applied if schedule.by_engine else trainer_steps * schedule.per_update
+        if position is None or position == expected:
+            continue
+        counted = (f"the {run.report.updater} applied {applied} update(s)" if schedule.by_engine else
+                   f"{run.report.counter} counted {trainer_steps} update(s)"
+                   + (f", {schedule.per_update} scheduler steps each" if schedule.per_update > 1 else ""))
+        what = "restarted" if position == 0 else f"is {position - expected:+d} step(s) off"
+        kind = type(getattr(schedule.scheduler, "scheduler", schedule.scheduler)).__name__
+        text = (f"{where}, the LR schedule ({kind}) stands at step {position} where {counted}: it {what}, and the "
+                f"learning rate follows it; {schedule.kept_in}")
+        if run.policy.stops:
+            raise UnsafeCheckpointError(f"{text}; policy '{run.policy.value}' stops before the first micro-batch")
+        run.voice.warn(text)

@@ -14,9 +14,10 @@ from ..core.record import record_from_files
 from ..core.tokens import Normalisation, trl_generation_scale
 from ..core.versions import StackBehaviour, installed_version
 from ..display.output import ConsoleOutput
-from ..engine.deepspeed import spread_across_ranks
+from ..engine.deepspeed import engine_facts, spread_across_ranks
 from ..engine.lifecycle import RunStart, open_run
 from ..engine.loop_objects import length_of
+from ..engine.resume import engines_schedule
 from ..engine.run import Run
 from . import trainer as trainer_facts
 
@@ -77,7 +78,8 @@ def start_run(trainer: Any, args: Any, state: Any, engine: Any, train_dataloader
         inherited_remedy=REUSED_ENGINE_REMEDY if state.global_step == 0 else INHERITED_REMEDY,
         asked_clip=trainer_facts.asked_clip(args), loss_normalisation=loss_normalisation,
         loss_fix=COMPUTE_LOSS_FUNC_FIX if getattr(trainer, "compute_loss_func", None) is not None else None,
-        client_faults=client_faults(args)), built)
+        client_faults=client_faults(args),
+        schedules=engines_schedule(engine) if engine_facts(engine).deepspeed else ()), built)
     if steering is not None and steering.max_steps is not None:
         state.max_steps = steering.max_steps
     return run

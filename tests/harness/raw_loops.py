@@ -55,11 +55,12 @@ def _weights(engine: Any) -> Any:
 
 def run_chat_loop(samples: int, gas: int, epochs: int, stage: int = 0, policy: Optional[str] = None,
                   save_to: Optional[str] = None, resume_from: Optional[str] = None,
-                  nan_at: Optional[int] = None) -> ChatLoopRun:
+                  nan_at: Optional[int] = None, load_schedule: bool = True) -> ChatLoopRun:
     """The loop above; ``policy``: ``stepsync.watch(engine, policy=...)`` is called on its engine first (given the
     loop's dataloader length and epochs). ``save_to``: ``engine.save_checkpoint(save_to, tag=f"epoch_{e}")`` after
     every epoch; ``resume_from``: ``engine.load_checkpoint`` of such a folder first, and training from the epoch
-    after it; ``nan_at``: that micro-batch's loss (1-based, across epochs) is not finite."""
+    after it (``load_schedule=False``: without the LR scheduler's state, which then starts over); ``nan_at``: that
+    micro-batch's loss (1-based, across epochs) is not finite."""
     cpu_distributed_env()
     import deepspeed
     import torch
@@ -80,7 +81,8 @@ def run_chat_loop(samples: int, gas: int, epochs: int, stage: int = 0, policy: O
     rows = torch.eye(samples)
     first_epoch = 0
     if resume_from:
-        engine.load_checkpoint(os.path.dirname(resume_from), tag=os.path.basename(resume_from))
+        engine.load_checkpoint(os.path.dirname(resume_from), tag=os.path.basename(resume_from),
+                               load_lr_scheduler_states=load_schedule)
         first_epoch = int(os.path.basename(resume_from).split("_")[-1]) + 1
     last, start = _weights(engine), engine.global_steps
     try:

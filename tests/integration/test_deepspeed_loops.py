@@ -183,6 +183,32 @@ def test_two_ranks_lose_the_same_micro_batches_and_sync_and_raise_act_on_both(tm
     assert seen["raise"]["engine_steps"] == []
 
 
+@pytest.mark.parametrize("policy", ["warn", "raise"])
+def test_a_resume_whose_schedule_starts_over_is_said(tmp_path, policy):
+    """6 micro-batches an epoch, G=3 (no drift), resumed from epoch_0 with engine.load_checkpoint(...,
+    load_lr_scheduler_states=False): the engine's count comes back, its LR schedule
+    does not (the truth: the scheduler's own last_epoch). Said before the first micro-batch, with the file that holds
+    it; raise stops there. Loaded whole, nothing is said."""
+    from harness.raw_loops import run_chat_loop
+    from stepsync.core.errors import UnsafeCheckpointError
+
+    full = run_chat_loop(6, 3, 2, policy="warn", save_to=str(tmp_path))
+    saved_at = full.epoch_ends[0]  # the engine's count at epoch_0's save
+    whole = run_chat_loop(6, 3, 2, policy=policy, resume_from=str(tmp_path / "epoch_0"))
+    assert whole.error is None and not [n for n in whole.watch.report.notes if "LR schedule" in n]
+    restarted = run_chat_loop(6, 3, 2, policy=policy, resume_from=str(tmp_path / "epoch_0"), load_schedule=False)
+    if policy == "raise":
+        assert isinstance(restarted.error, UnsafeCheckpointError) and restarted.engine_steps == []
+        return
+    # the truth: the scheduler took one step per update after the resume, starting from 0, not from saved_at
+    assert restarted.scheduler_steps == restarted.epoch_ends[-1] - saved_at
+    said = [note for note in restarted.watch.report.notes if "LR schedule" in note]
+    assert said == [f"after the resume, the LR schedule (LambdaLR) stands at step 0 where the engine applied "
+                    f"{saved_at} update(s): it restarted, and the learning rate follows it; DeepSpeed restores it "
+                    "with the engine's count from global_stepN/mp_rank_00_model_states.pt (its lr_scheduler entry) "
+                    "only where the checkpoint is loaded with load_lr_scheduler_states=True"]
+
+
 @pytest.mark.parametrize("policy", ["warn", "sync"])
 def test_checkpoints_keep_the_record_and_a_resume_carries_the_report_on(tmp_path, policy):
     """DeepSpeed-Chat's loop saving with engine.save_checkpoint after each epoch, then resumed with

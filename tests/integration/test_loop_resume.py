@@ -261,3 +261,13 @@ def test_a_loop_that_resumes_in_another_epoch_than_its_checkpoint_is_said(tmp_pa
     stopped = resumed("raise", tmp_path / "first" / "step_10")
     assert isinstance(stopped.error, UnsafeCheckpointError) and len(stopped.trained) == 1
     assert stopped.engine.global_steps == 23  # nothing applied
+
+
+def test_a_resume_whose_lr_schedule_comes_back_with_it_says_nothing(saved):
+    """The example prepares its scheduler before load_state, which restores it with the loop's count (scheduler.bin):
+    its position is held against the count the record kept, and nothing is said."""
+    out, runs = saved
+    result = loop("sync", resume_from=str(out / "sync" / "epoch_1"))
+    assert result.error is None and not [n for n in result.watch.report.notes if "LR schedule" in n]
+    scheduler = result.accelerator._schedulers[-1].scheduler
+    assert scheduler.last_epoch == result.loop_steps[-1]  # the truth: it went on from the saved count

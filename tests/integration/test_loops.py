@@ -317,3 +317,25 @@ def test_a_drift_that_grows_at_every_update_is_said_once_and_kept_in_bounds(tmp_
     lines, events, size = sizes[5]
     assert sizes[50][:2] == (lines, events) == (sizes[50][0], 1)
     assert abs(sizes[50][2] - size) < 64  # the same entry, larger numbers in it
+
+
+def test_an_lr_scheduler_built_on_a_watched_optimizer_works():
+    """torch's LR schedulers wrap their optimizer's step through its ``__func__``: the watch's own step (set on the
+    prepared optimizer) is a method of it, so a scheduler built after stepsync.watch() works and the step is still
+    seen (a plain function there raised AttributeError in the scheduler's constructor)."""
+    import torch
+
+    from stepsync.engine.loop_objects import InstancePatches
+
+    weight = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    original, seen = optimizer.step, []
+    patches = InstancePatches()
+    patches.set(optimizer, "step", lambda *args, **kwargs: seen.append(1) or original(*args, **kwargs), as_method=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    weight.grad = torch.ones(1)
+    optimizer.step()
+    scheduler.step()
+    assert seen == [1] and float(weight) == -1.0 and scheduler.last_epoch == 1
+    patches.restore()
+    assert "step" not in vars(optimizer)

@@ -215,3 +215,27 @@ def test_the_record_keeps_dataloader_drop_last(tmp_path):
     report = resumed.callback.report
     assert full.error is None and resumed.error is None and report.resume_shift is None
     assert report.resumed_from.drop_last is True and report.resumed_from.layout.drop_last
+
+
+@pytest.mark.parametrize("policy", ["warn", "raise"])
+def test_a_resume_that_trains_nothing_is_said_at_its_start(tmp_path, policy):
+    """Resumed from the run's last checkpoint (sync: the counts agree), the Trainer has nothing left to train and
+    ends with 'training finished'; stepsync says so at the start (raise stops there). Its LR schedule came back
+    with the engine's count: nothing said of it."""
+    from stepsync.core.errors import StepSyncError
+
+    full = run(tmp_path / "full", N, G, EPOCHS, policy="sync", save_strategy="steps", save_steps=1)
+    last = full.trainer.state.global_step
+    resumed = run(tmp_path / "resumed", N, G, EPOCHS, policy=policy,
+                  resume_from_checkpoint=str(tmp_path / "full" / f"checkpoint-{last}"))
+    assert resumed.recording.engine_steps == []  # the truth: not one micro-batch trained
+    if policy == "raise":
+        assert isinstance(resumed.error, StepSyncError) and "the resumed run trains nothing" in str(resumed.error)
+        return
+    report = resumed.callback.report
+    assert resumed.error is None
+    said = [note for note in report.notes if "trains nothing" in note]
+    assert said == [f"the resumed run trains nothing: its checkpoint holds {last} update(s) (Trainer; the plan has "
+                    f"{full.trainer.state.max_steps}), already the end of the plan: resume from an earlier checkpoint, "
+                    "or raise the epochs or max_steps to train on"]
+    assert not [note for note in report.notes if "LR schedule" in note]
