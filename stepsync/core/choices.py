@@ -64,6 +64,12 @@ class Policy(str, Enum):
         return self is Policy.SYNC
 
     @property
+    def follows_the_engine(self) -> bool:
+        """Whether the framework's count follows the engine's updates (so the run ends at the engine's last update,
+        and what it trains after it is never applied)."""
+        return self is Policy.REALIGN
+
+    @property
     def ends_epochs_early(self) -> bool:
         """Whether it ends every epoch after its last whole window of G micro-batches."""
         return self is Policy.DROP_LAST

@@ -36,6 +36,21 @@ def spread_across_ranks(values: Sequence[float], device: Any = "cpu") -> List[Tu
     return [(-found[n + i], found[i]) for i in range(n)]
 
 
+def mean_across_ranks(value: float, device: Any = "cpu") -> float:
+    """The mean of ``value`` over every rank of the run: one all-reduce (a sum), on every rank. A single process, or
+    a run without a process group, gets its own value back."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return value
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return value
+    total = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return float(total[0]) / dist.get_world_size()
+
+
 def is_engine(obj: Any) -> bool:
     """Whether ``obj`` looks like a DeepSpeed engine (it has the counters stepsync reads)."""
     return obj is not None and hasattr(obj, "global_steps") and hasattr(obj, "micro_steps")

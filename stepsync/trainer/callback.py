@@ -13,7 +13,7 @@ from ..core.frameworks import TRAINER
 from ..core.record import CALLBACK_NAME
 from ..core.report import SyncReport
 from ..core.tokens import Normalisation
-from ..core.versions import Stack, behaviour_of, without_an_engine
+from ..core.versions import EngineBoundary, Stack, behaviour_of, without_an_engine
 from ..display.output import ConsoleOutput, logger
 from ..engine.deepspeed import op_builds_of, starts_on_a_cpu
 from ..engine.faults import Adapter, guarded
@@ -22,6 +22,7 @@ from ..engine.optimizer import count_optimizer_steps
 from ..engine.resume import record_of
 from ..engine.run import Run
 from . import trainer as trainer_facts
+from .losses import UnappliedLosses
 from .start import StartVerdict, how_the_ranks_started, start_run
 
 try:  # transformers >= 4.41 saves an ExportableState callback's state() in trainer_state.json
@@ -50,6 +51,8 @@ def _micro_batch_hook(name: str, trainer_updated: bool):
             return self._failed(name, exc, True)
         if steering is not None:
             trainer_facts.steer(self._trainer, steering, args, state, control, at_step_end=True)
+        if trainer_updated and self._losses is not None and control.should_training_stop:
+            self._take_out_the_unapplied_losses(args)
         return None
 
     hook.__name__ = hook.__qualname__ = name
@@ -116,6 +119,7 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
         self._run: Optional[Run] = None
         self._state: Any = None
         self._trainer: Any = None
+        self._losses: Optional[UnappliedLosses] = None  # realign's: the losses of micro-batches not yet applied
         self._leader: Optional[StepSyncCallback] = None
         self._extra_metrics: Optional[dict] = None
 
@@ -182,6 +186,18 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
             "stepsync/samples_skipped": sum(shift.skipped.values()),
             "stepsync/samples_repeated": sum(shift.repeated.values())}
         trainer_facts.run_after_the_flow_callback(trainer, self)
+        run = self._run
+        if run is not None and run.policy.follows_the_engine and run.facts.deepspeed and \
+                run.behaviour.engine_boundary is EngineBoundary.MICRO_COUNTER:
+            self._losses = UnappliedLosses(trainer, engine)
+
+    def _take_out_the_unapplied_losses(self, args) -> None:
+        """The run's last step: the losses of the micro-batches the engine never applied leave the Trainer's loss
+        sum, so that its train_loss is the mean over the updates the engine applied."""
+        try:
+            self._losses.take_out(self._trainer, getattr(args, "device", "cpu"))  # type: ignore[union-attr]
+        except Exception as exc:  # the train_loss stays the Trainer's own; training is unchanged
+            self._failed("the realign loss", exc, False)
 
     def _agree_on_the_start(self, args, state, before: tuple, failure: Optional[Exception]) -> None:
         """Every rank steers this run the same way, or none does (see :func:`how_the_ranks_started`)."""
@@ -216,6 +232,8 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
         steering = run.end_epoch(state.global_step)
         if steering is not None:
             trainer_facts.steer(self._trainer, steering, args, state, control, at_step_end=False)
+        if self._losses is not None and (control.should_training_stop or state.epoch >= args.num_train_epochs):
+            self._take_out_the_unapplied_losses(args)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         run = self._run
@@ -247,6 +265,9 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
 
     @guarded(steering=True, needs_run=False)
     def on_train_end(self, args, state, control, **kwargs):
+        if self._losses is not None:
+            self._losses.remove()
+            self._losses = None
         if self._leader is None:  # with load_best_model_at_end the Trainer has loaded the best checkpoint already
             close_run(self._report, self._run, state.global_step, getattr(state, "best_model_checkpoint", None))
 

@@ -105,15 +105,14 @@ def move_global_step_back(trainer: Any, state: Any, value: int) -> None:
 
     The Trainer logs the loss summed since its last log divided by ``global_step - _globalstep_last_logged``;
     a count moved back would shrink that divisor while the sum keeps every window, so the mark moves back too.
+    The run's ``train_loss`` (its summed loss over ``global_step`` less its start) is left to count the engine's
+    updates: the losses of micro-batches the engine never applies leave the sum at the end
+    (:class:`stepsync.trainer.losses.UnappliedLosses`).
     """
     back = state.global_step - value
     mark = getattr(trainer, "_globalstep_last_logged", None)
     if isinstance(mark, int) and not isinstance(mark, bool):
         trainer._globalstep_last_logged = mark - back
-    # transformers >= 5 divides the run's summed loss by global_step minus this at the end: the windows it summed
-    initial = getattr(trainer, "_initial_global_step", None)
-    if isinstance(initial, int) and not isinstance(initial, bool):
-        trainer._initial_global_step = initial - back
     state.global_step = value
 
 

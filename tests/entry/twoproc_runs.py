@@ -10,15 +10,30 @@ from harness.runs import dump, end_process_group, result_summary, run_tiny
 CASES = [("warn", 0), ("warn", 2), ("sync", 0), ("sync", 2), ("realign", 0), ("drop_last", 0), ("raise", 0)]
 
 
+def record_losses(trainer, into) -> None:
+    """The recorder's own view of the losses: what trainer.training_step returned on this rank (the Trainer sums it,
+    and gathers the mean over ranks at each log), with the engine's count right after each micro-batch."""
+    original = trainer.training_step
+
+    def training_step(*args, **kwargs):
+        loss = original(*args, **kwargs)
+        into.append((float(loss), trainer.model_wrapped.global_steps))
+        return loss
+
+    trainer.training_step = training_step
+
+
 def main(out_dir: str) -> None:
     rank = int(os.environ["RANK"])
     results = {}
     for policy, stage in CASES:
         # 12 samples, batch 1, 2 ranks -> 6 micro-batches per rank; G=4 leaves a partial window of 2.
-        work = tempfile.mkdtemp()
+        work, losses = tempfile.mkdtemp(), []
         result = run_tiny(work, samples=12, gas=4, epochs=2, stage=stage,
-                          callback=StepSyncCallback(policy, console=None if rank == 0 else False))
-        results[f"{policy}-{stage}"] = result_summary(result)
+                          callback=StepSyncCallback(policy, console=None if rank == 0 else False),
+                          on_trainer=lambda trainer: record_losses(trainer, losses))
+        results[f"{policy}-{stage}"] = {**result_summary(result), "losses": losses,
+                                        "train_loss": (result.trainer.state.log_history or [{}])[-1].get("train_loss")}
     dump(os.path.join(out_dir, f"rank-{rank}.json"), results)
 
 

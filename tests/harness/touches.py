@@ -11,8 +11,9 @@ HARNESS = os.path.join(PACKAGE, "tools", "tiny_run.py")  # the tiny run itself, 
 # the weights' finder they share (a tensor's numel(), no read) and the collective under them.
 READERS = (("engine/deepspeed.py", "FiniteWeights"), ("engine/deepspeed.py", "WeightFingerprint"),
            ("engine/deepspeed.py", "held_weights"), ("engine/deepspeed.py", "spread_across_ranks"),
-           ("engine/tokens.py", None))
-READER_CLASSES = ("FiniteWeights", "WeightFingerprint", "TokenWeights")  # as the docs name them
+           ("engine/deepspeed.py", "mean_across_ranks"), ("engine/tokens.py", None),
+           ("trainer/losses.py", "UnappliedLosses"))
+READER_CLASSES = ("FiniteWeights", "WeightFingerprint", "TokenWeights", "UnappliedLosses")  # as the docs name them
 
 
 def reader_of(path: str, qualname: str):

@@ -235,21 +235,6 @@ def test_realign_logs_the_mean_loss_of_the_windows_it_merges(tmp_path):
     assert realigned == pytest.approx(expected, rel=1e-5)
 
 
-def test_realign_keeps_the_final_train_loss_a_mean(tmp_path):
-    """realign moves the count back while the Trainer's loss sum keeps every window: transformers >= 5 divides that
-    sum by the count at the end, so the windows are given back to its divisor (it gave 1.5x warn's value here)."""
-    from stepsync.core.versions import installed_version, parse_version
-
-    if parse_version(installed_version("transformers")) < parse_version("5.0.0"):
-        pytest.skip("transformers < 5 divides by the whole global_step; see docs/policies.md")
-    losses = {}
-    for policy in ("warn", "realign"):
-        result = run(tmp_path / policy, 7, 3, 2, policy=policy)
-        assert result.error is None
-        losses[policy] = result.trainer.state.log_history[-1]["train_loss"]
-    assert abs(losses["realign"] / losses["warn"] - 1) < 0.1, losses
-
-
 def test_an_aligned_run_with_nothing_found_ends_with_the_verdict_alone(tmp_path):
     """N=4, G=2: no drift on any stack, and the tiny data's micro-batches hold equal numbers of tokens, so the loss
     normalisation cannot be named: that is in the report's not_checked, not a note in every summary."""
@@ -267,3 +252,41 @@ def test_an_aligned_run_with_nothing_found_ends_with_the_verdict_alone(tmp_path)
     shown = io.StringIO()
     Console(file=shown, width=100).print(summary_view(report))
     assert "note:" not in shown.getvalue() and "loss normalisation" not in shown.getvalue()
+
+
+def losses_recorded(trainer, into):
+    """The recorder's own view of the losses: what trainer.training_step returned (the Trainer sums it into its
+    loss), with the engine's count right after each micro-batch."""
+    original = trainer.training_step
+
+    def training_step(*args, **kwargs):
+        loss = original(*args, **kwargs)
+        into.append((float(loss), trainer.model_wrapped.global_steps))
+        return loss
+
+    trainer.training_step = training_step
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+def test_realign_train_loss_is_the_mean_over_the_updates_the_engine_applied(tmp_path, resumed):
+    """N=7, G=3, 2 epochs: realign ends at the Trainer's boundary after the engine's last update, with a micro-batch
+    trained but never applied. The Trainer's train_loss is the mean over the updates the engine applied of what their
+    micro-batches backpropagated, as a recorder of every micro-batch's loss counts it (the Trainer summed the one
+    never applied too, over its own windows), fresh and resumed from checkpoint-2."""
+    start = None
+    if resumed:
+        run(tmp_path / "full", 7, 3, 2, policy="realign", save_strategy="steps", save_steps=1)
+        start = str(tmp_path / "full" / "checkpoint-2")
+    seen = []
+    result = run(tmp_path / "run", 7, 3, 2, policy="realign", resume_from_checkpoint=start,
+                 on_trainer=lambda trainer: losses_recorded(trainer, seen))
+    assert result.error is None
+    engine_at_start = result.recording.engine_at_start
+    counts = [engine_at_start] + [engine for _, engine in seen]
+    last_update = max(i for i in range(1, len(counts)) if counts[i] != counts[i - 1])
+    applied = sum(loss for loss, _ in seen[:last_update])
+    truth = applied / (counts[-1] - engine_at_start)
+    reported = result.trainer.state.log_history[-1]["train_loss"]
+    assert reported == pytest.approx(truth, rel=1e-6, abs=1e-6)
+    if DRIFTS:  # there were micro-batches after the engine's last update, and they are not in it
+        assert last_update < len(seen)

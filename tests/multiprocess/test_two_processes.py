@@ -61,3 +61,19 @@ def test_output_appears_once(two_ranks):
     assert output.count("stepsync summary") == (6 if DRIFTS else 7)  # a raised run ends before its summary
     # the two warn runs' drift (raise stops at the forecast, before any micro-batch drifts)
     assert output.count("step drift +1 at epoch 1, micro-batch 6") == (2 if DRIFTS else 0)
+
+
+def test_realign_train_loss_is_the_mean_over_the_updates_the_engine_applied_on_two_ranks(two_ranks):
+    """Each rank's losses as the recorder saw them: those up to the engine's last update were applied; the
+    train_loss is their sum, the mean over ranks (as the Trainer gathers it), over the engine's updates."""
+    ranks, _ = two_ranks
+    sums, updates = [], None
+    for rank in ranks:
+        run = rank["realign-0"]
+        counts = [0] + [engine for _, engine in run["losses"]]
+        last = max(i for i in range(1, len(counts)) if counts[i] != counts[i - 1])
+        sums.append(sum(loss for loss, _ in run["losses"][:last]))
+        updates = counts[-1]
+    truth = sum(sums) / len(sums) / updates
+    for rank in ranks:
+        assert rank["realign-0"]["train_loss"] == pytest.approx(truth, rel=1e-6, abs=1e-6)
