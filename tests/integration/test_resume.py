@@ -132,7 +132,8 @@ def loss_recording_trainer(losses):
 def test_train_loss_after_a_resume_is_the_mean_of_the_windows_trained(tmp_path, policy, step):
     """Where stepsync keeps the data position's count in trainer_state.json (drop_last's checkpoint-3 says 4,
     realign's checkpoint-4 says 5), the Trainer takes the divisor of its final train_loss from that count: stepsync
-    moves it with the real one, so train_loss is the summed loss of the windows this run trained over their number."""
+    moves it with the real one, so train_loss is the summed loss of the windows this run trained over their number
+    (under realign: of those the engine applied, over its updates)."""
     n, g = 10, 3
     run(tmp_path / "full", n, g, EPOCHS, stage=2, policy=policy, save_strategy="steps", save_steps=1)
     folder = tmp_path / "full" / f"checkpoint-{step}"
@@ -143,6 +144,10 @@ def test_train_loss_after_a_resume_is_the_mean_of_the_windows_trained(tmp_path, 
     assert resumed.error is None and len(losses) == len(resumed.recording.engine_steps)
     windows = len(resumed.recording.trainer_updates_at)  # the Trainer's own windows in this run
     train_loss = resumed.trainer.state.log_history[-1]["train_loss"]
+    if policy == "realign":
+        updates = resumed.recording.engine_updates_at
+        assert train_loss == pytest.approx(sum(losses[:updates[-1]]) / len(updates), rel=1e-6)
+        return
     assert train_loss == pytest.approx(sum(losses) / windows, rel=1e-6)  # summed in float32 by the Trainer
     if policy == "drop_last":  # every window logged once (logging_steps=1): their mean
         assert len(logged_losses(resumed)) == windows
