@@ -5,22 +5,9 @@ import tempfile
 
 
 from stepsync import StepSyncCallback
-from harness.runs import dump, end_process_group, result_summary, run_tiny
+from harness.runs import dump, end_process_group, record_losses, result_summary, run_tiny
 
 CASES = [("warn", 0), ("warn", 2), ("sync", 0), ("sync", 2), ("realign", 0), ("drop_last", 0), ("raise", 0)]
-
-
-def record_losses(trainer, into) -> None:
-    """The recorder's own view of the losses: what trainer.training_step returned on this rank (the Trainer sums it,
-    and gathers the mean over ranks at each log), with the engine's count right after each micro-batch."""
-    original = trainer.training_step
-
-    def training_step(*args, **kwargs):
-        loss = original(*args, **kwargs)
-        into.append((float(loss), trainer.model_wrapped.global_steps))
-        return loss
-
-    trainer.training_step = training_step
 
 
 def main(out_dir: str) -> None:

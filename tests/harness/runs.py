@@ -153,6 +153,19 @@ class RunResult(tiny_run.TinyRun):
     callback: Any = None
 
 
+def record_losses(trainer, into: list) -> None:
+    """The recorder's own view of the losses: what ``trainer.training_step`` returned on this rank (the Trainer sums
+    it into its loss, and gathers the mean over ranks at each log), with the engine's count after each micro-batch."""
+    original = trainer.training_step
+
+    def training_step(*args, **kwargs):
+        loss = original(*args, **kwargs)
+        into.append((float(loss), trainer.model_wrapped.global_steps))
+        return loss
+
+    trainer.training_step = training_step
+
+
 def run_tiny(output_dir: str, samples: int, gas: int, epochs: float = 2, max_steps: int = -1, stage: int = 0,
              callback: Any = None, extra_callbacks=(), **options) -> RunResult:
     """Train the tiny model once with the recorder first, then ``extra_callbacks``, then ``callback`` (a

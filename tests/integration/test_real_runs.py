@@ -1,7 +1,7 @@
 """Real Trainer + real DeepSpeed engine on CPU, one process. Counts are asserted exactly."""
 import pytest
 
-from harness.runs import forget_deepspeed, run
+from harness.runs import forget_deepspeed, record_losses, run
 from harness.stack import DRIFTS, expected_counts, needs_stack
 
 pytestmark = [needs_stack, pytest.mark.integration]
@@ -254,19 +254,6 @@ def test_an_aligned_run_with_nothing_found_ends_with_the_verdict_alone(tmp_path)
     assert "note:" not in shown.getvalue() and "loss normalisation" not in shown.getvalue()
 
 
-def losses_recorded(trainer, into):
-    """The recorder's own view of the losses: what trainer.training_step returned (the Trainer sums it into its
-    loss), with the engine's count right after each micro-batch."""
-    original = trainer.training_step
-
-    def training_step(*args, **kwargs):
-        loss = original(*args, **kwargs)
-        into.append((float(loss), trainer.model_wrapped.global_steps))
-        return loss
-
-    trainer.training_step = training_step
-
-
 @pytest.mark.parametrize("resumed", [False, True])
 def test_realign_train_loss_is_the_mean_over_the_updates_the_engine_applied(tmp_path, resumed):
     """N=7, G=3, 2 epochs: realign ends at the Trainer's boundary after the engine's last update, with a micro-batch
@@ -279,7 +266,7 @@ def test_realign_train_loss_is_the_mean_over_the_updates_the_engine_applied(tmp_
         start = str(tmp_path / "full" / "checkpoint-2")
     seen = []
     result = run(tmp_path / "run", 7, 3, 2, policy="realign", resume_from_checkpoint=start,
-                 on_trainer=lambda trainer: losses_recorded(trainer, seen))
+                 on_trainer=lambda trainer: record_losses(trainer, seen))
     assert result.error is None
     engine_at_start = result.recording.engine_at_start
     counts = [engine_at_start] + [engine for _, engine in seen]
