@@ -5,6 +5,7 @@
     python3 scripts/envs.py tools PATH REQUIREMENT...          a small environment of tools (no torch), e.g. linters
     python3 scripts/envs.py pins NAME                          the pinned releases of a test stack
     python3 scripts/envs.py tests NAME                         the tests it runs (tests/harness/matrix.py)
+    python3 scripts/envs.py lanes N NAME...                    the stacks in N lanes of about equal test time
 
 - uv installs everything when it is on PATH (seconds per environment); pip is the fallback.
 - torch is the CPU build 2.13.0: the local wheel that pip's find-links names, else ``pip install torch==2.13.0``
@@ -175,6 +176,12 @@ def main(argv):
         return 0
     if len(argv) >= 3 and argv[0] == "tools":
         print(tools(argv[1], argv[2:]))
+        return 0
+    if len(argv) >= 2 and argv[0] == "lanes":  # lanes N NAME...: one line of stack names per lane
+        from harness import matrix as support
+
+        for lane in support.lanes(argv[2:], int(argv[1])):
+            print(" ".join(lane))
         return 0
     if argv == ["stack", "--list"]:
         from harness import matrix as support
