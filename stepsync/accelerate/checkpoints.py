@@ -184,6 +184,4 @@ class LoopCheckpoints:
             what = f"trains {saved_at - resumed_at - lost} micro-batch(es) a second time"
         text = (f"{name} was saved at {stood}, but your loop resumes at {lands} ({how}): it {what}; place the resume "
                 f"with the position stepsync saved ({RECORD_FILE}: next_epoch, next_skip), not with the folder's name")
-        if run.policy.stops:
-            raise UnsafeCheckpointError(f"{text}; policy '{run.policy.value}' stops before the first micro-batch")
-        run.voice.warn(text)
+        run.object_to(text, "before the first micro-batch", UnsafeCheckpointError)

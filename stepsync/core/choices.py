@@ -70,6 +70,17 @@ class Policy(str, Enum):
         return self is Policy.REALIGN
 
     @property
+    def lowers_the_plan(self) -> bool:
+        """Whether it lowers the framework's planned updates to the count it reaches, so the run ends where it is
+        meant to (at the engine's last update, or after the last whole window), never 'early'."""
+        return self.follows_the_engine or self.ends_epochs_early
+
+    @property
+    def watches_only(self) -> bool:
+        """Whether it only watches: says what it finds and changes nothing, stops nothing."""
+        return not self.interferes and not self.stops
+
+    @property
     def ends_epochs_early(self) -> bool:
         """Whether it ends every epoch after its last whole window of G micro-batches."""
         return self is Policy.DROP_LAST

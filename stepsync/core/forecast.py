@@ -33,11 +33,11 @@ def forecast(plan: RunPlan, behaviour: StackBehaviour, policy: Policy = Policy.W
     # realign and drop_last lower the Trainer's max_steps to the count they reach, so the run ends (saves,
     # evaluates, fills its progress bar) at its last update instead of never reaching its plan.
     made_updates = result.engine_steps > plan.engine_steps_at_start
-    if policy is Policy.REALIGN and made_updates and result.engine_steps < planned:
+    if policy.follows_the_engine and made_updates and result.engine_steps < planned:
         reachable = result.engine_steps
         result = _simulate(plan, behaviour, policy, planned, reachable)  # stops at the engine's last update
         result.reachable_steps = reachable
-    elif policy is Policy.DROP_LAST and plan.trainer_steps_at_start < result.trainer_steps < planned:
+    elif policy.ends_epochs_early and plan.trainer_steps_at_start < result.trainer_steps < planned:
         result.reachable_steps = result.trainer_steps  # its last update already ends the last epoch
     return result
 
@@ -47,7 +47,7 @@ def _simulate(plan: RunPlan, behaviour: StackBehaviour, policy: Policy, planned:
     """The run whose epoch loop is sized by ``planned`` and which stops once its count reaches ``target``."""
     n, g = plan.micro_batches_per_epoch, plan.gradient_accumulation_steps
     rule = behaviour.trainer_rule
-    engine_follows = policy is Policy.SYNC or behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER
+    engine_follows = policy.steers_the_boundary or behaviour.engine_boundary is EngineBoundary.FOLLOWS_TRAINER
     # the engine closes windows of its own by its counter, unless it follows the framework or never steps (a loop
     # that steps the optimizer itself, Fabric's: the weights move at its count, the engine's count never)
     own_windows = not engine_follows and behaviour.engine_boundary is not EngineBoundary.NEVER_STEPPED
@@ -68,7 +68,7 @@ def _simulate(plan: RunPlan, behaviour: StackBehaviour, policy: Policy, planned:
 
     counters = _Counters(plan.trainer_steps_at_start, plan.engine_steps_at_start)
     result = Forecast(plan, behaviour, policy, planned, epochs_to_run=epochs_to_run,
-                      micro_batch_weight=1 / g ** (1 if policy is Policy.SYNC else behaviour.loss_divisions))
+                      micro_batch_weight=1 / g ** (1 if policy.steers_the_boundary else behaviour.loss_divisions))
     since_trainer_boundary = 0  # micro-batches after the Trainer's last update (unapplied when the engine follows)
     last_clear = -1  # the engine's micro-batch count at the framework's last zero_grad
     for epoch in range(start_epoch, epochs_to_run):
@@ -93,7 +93,7 @@ def _simulate(plan: RunPlan, behaviour: StackBehaviour, policy: Policy, planned:
         else:
             since_trainer_boundary += ran
         counters.engine_steps += engine_made
-        realigned = policy is Policy.REALIGN
+        realigned = policy.follows_the_engine
         counters.trainer_steps = counters.engine_steps if realigned else counters.trainer_steps + trainer_made
         counters.trainer_micro += ran
         counters.engine_micro += ran
@@ -101,7 +101,7 @@ def _simulate(plan: RunPlan, behaviour: StackBehaviour, policy: Policy, planned:
             EpochForecast(
                 epoch=epoch + 1,
                 micro_batches=ran,
-                trainer_updates=engine_made if policy is Policy.REALIGN else trainer_made,
+                trainer_updates=engine_made if realigned else trainer_made,
                 engine_updates=engine_made,
                 trainer_steps=counters.trainer_steps,
                 engine_steps=counters.engine_steps,
@@ -142,7 +142,7 @@ def _epoch_end(policy, rule, engine_follows, counters, target, first, last, n, g
     if target is None:
         return last, False
     t_before = counters.trainer_micro - first  # the Trainer's counter before position 0 of this epoch
-    if policy is Policy.REALIGN and not engine_follows:
+    if policy.follows_the_engine and not engine_follows:
         # The Trainer stops at its first boundary once the engine has made `target` updates.
         # The Trainer checks `max_steps` only after an update, so at least one more comes.
         remaining = max(target - counters.engine_steps, 1)
@@ -155,7 +155,7 @@ def _epoch_end(policy, rule, engine_follows, counters, target, first, last, n, g
         if stop_at is None or stop_at > last:
             return last, False
         return stop_at, True
-    checked = counters.engine_steps if policy is Policy.REALIGN else counters.trainer_steps
+    checked = counters.engine_steps if policy.follows_the_engine else counters.trainer_steps
     remaining = max(target - checked, 1)
     done_before = rules.trainer_updates(rule, first, n, g, t_before)
     available = rules.trainer_updates(rule, last, n, g, t_before) - done_before

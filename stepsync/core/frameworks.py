@@ -81,17 +81,22 @@ class BackwardCall(str, Enum):
 
 @dataclass(frozen=True)
 class Refusal:
-    """Why a framework cannot have a policy, and what to use instead.
+    """Why a framework cannot have the policies that do one thing, and what to use instead.
 
     Attributes:
+        does: the :class:`Policy` property that is true of the policies refused (``"follows_the_engine"``).
         why: what the policy would have to change that it cannot (``"cannot end your dataloader's epochs early"``).
         instead: the policies that serve instead, best first.
         or_else: a fix outside stepsync, in words (``"drop the partial window in your loop"``); empty for none.
     """
 
+    does: str
     why: str
     instead: Tuple[Policy, ...]
     or_else: str = ""
+
+    def refuses(self, policy: Policy) -> bool:
+        return bool(getattr(policy, self.does))
 
     def message(self, policy: Policy, as_flag: bool = False) -> str:
         """The refusal in a sentence; ``as_flag`` names the alternatives as the command line's ``--policy``."""
@@ -145,7 +150,7 @@ class Framework:
     whose_g: str
     key: str
     metric_keys: Tuple[str, ...] = ()
-    refused: Dict[Policy, Refusal] = field(default_factory=dict, compare=False)
+    refused: Tuple[Refusal, ...] = field(default=(), compare=False)
     remedy: Optional[str] = None
     schedules_on_its_count: bool = False
     backward_call: BackwardCall = BackwardCall.ENGINE
@@ -190,9 +195,14 @@ class Framework:
         """``policy`` as a :class:`Policy`; an unknown one, or one this framework refuses, raises
         :class:`~stepsync.core.errors.StepSyncConfigError` (a ``ValueError``) naming what to use."""
         parsed = Policy.parse(policy)
-        if parsed in self.refused:
-            raise StepSyncConfigError(self.refused[parsed].message(parsed, as_flag))
+        refusal = self.refusal_of(parsed)
+        if refusal is not None:
+            raise StepSyncConfigError(refusal.message(parsed, as_flag))
         return parsed
+
+    def refusal_of(self, policy: Policy) -> Optional[Refusal]:
+        """Why this framework cannot have ``policy``, or None where it can."""
+        return next((refusal for refusal in self.refused if refusal.refuses(policy)), None)
 
 
 TRAINER = Framework(
@@ -208,8 +218,8 @@ LIGHTNING = Framework(
     g_setting="accumulate_grad_batches", plans_by_forecast=True, checks_every_micro_batch=True,
     packages=("lightning", "deepspeed"),
     metric_keys=("stepsync/lightning_steps", "stepsync/engine_steps", "stepsync/drift"),
-    refused={Policy.REALIGN: Refusal("cannot apply to Lightning: its global_step is derived from its loop's progress "
-                                     "counters, which a callback cannot set", (Policy.SYNC, Policy.DROP_LAST))},
+    refused=(Refusal("follows_the_engine", "cannot apply to Lightning: its global_step is derived from its loop's "
+                     "progress counters, which a callback cannot set", (Policy.SYNC, Policy.DROP_LAST)),),
     remedy="use stepsync.lightning.StepSyncCallback(policy='sync')", schedules_on_its_count=True)
 
 # accelerate's accumulate() is the epoch-end rule: a window every G micro-batches, restarted at the dataloader's
@@ -221,10 +231,10 @@ ACCELERATE_LOOP = Framework(
     checkpoints="accelerate", packages=("accelerate", "deepspeed"),
     g_fix="give Accelerator(gradient_accumulation_steps=...) the G your DeepSpeed config or plugin sets (accelerate "
           "before 1.8 does not take it from there), or set it to \"auto\" there",
-    refused={Policy.REALIGN: Refusal("cannot change your loop's own counter", (Policy.SYNC,),
-                                     "keep policy 'warn' and adopt watch.report.engine_steps"),
-             Policy.DROP_LAST: Refusal("cannot end your dataloader's epochs early", (Policy.SYNC,),
-                                       "drop the partial window in your loop")})
+    refused=(Refusal("follows_the_engine", "cannot change your loop's own counter", (Policy.SYNC,),
+                     "keep policy 'warn' and adopt watch.report.engine_steps"),
+             Refusal("ends_epochs_early", "cannot end your dataloader's epochs early", (Policy.SYNC,),
+                     "drop the partial window in your loop")))
 
 # Fabric's documented loop steps at every G-th micro-batch of an epoch (its leftovers join the next epoch's first
 # window) and runs every epoch; its optimizer.step() updates the weights without engine.step().
@@ -238,8 +248,8 @@ FABRIC_LOOP = Framework(
     caveat="your Fabric loop divides each loss by G; DeepSpeed divides it once more where its config's "
            "gradient_accumulation_steps is G (each micro-batch then weighs 1/G^2): stepsync verify --framework fabric "
            "measures your config",
-    refused={Policy.REALIGN: Refusal("cannot change your loop's own count", (Policy.SYNC, Policy.WARN)),
-             Policy.DROP_LAST: Refusal("cannot end your dataloader's epochs early", (Policy.SYNC, Policy.WARN))},
+    refused=(Refusal("follows_the_engine", "cannot change your loop's own count", (Policy.SYNC, Policy.WARN)),
+             Refusal("ends_epochs_early", "cannot end your dataloader's epochs early", (Policy.SYNC, Policy.WARN))),
     remedy="use stepsync.lightning.watch(fabric, ..., policy='sync')")
 
 # A loop that drives the engine itself, as DeepSpeed-Chat's training steps do: backward() and step() after every
@@ -256,10 +266,10 @@ DEEPSPEED_LOOP = Framework(
     remedy="use stepsync.watch(engine, policy='sync'), or close each epoch's last window yourself: "
            "engine.set_gradient_accumulation_boundary(True) before its last backward(), False before the others",
     g_fix="make the DeepSpeed config's gradient_accumulation_steps the windows your loop closes",
-    refused={Policy.REALIGN: Refusal("cannot change your loop's own count", (Policy.SYNC,),
-                                     "keep policy 'warn' and adopt watch.report.engine_steps"),
-             Policy.DROP_LAST: Refusal("cannot end your dataloader's epochs early", (Policy.SYNC,),
-                                       "drop each epoch's partial window in your loop")},
+    refused=(Refusal("follows_the_engine", "cannot change your loop's own count", (Policy.SYNC,),
+                     "keep policy 'warn' and adopt watch.report.engine_steps"),
+             Refusal("ends_epochs_early", "cannot end your dataloader's epochs early", (Policy.SYNC,),
+                     "drop each epoch's partial window in your loop")),
     packages=("deepspeed",))
 
 FRAMEWORKS = (TRAINER, LIGHTNING, ACCELERATE_LOOP, FABRIC_LOOP, DEEPSPEED_LOOP)

@@ -86,7 +86,7 @@ class Forecast(Counted):
     def aligned(self) -> bool:
         """No epoch ends with a drift other than the one inherited at the start (under ``realign``, other than none:
         it adopts the engine's count)."""
-        kept = 0 if self.policy is Policy.REALIGN else self.inherited_drift
+        kept = 0 if self.policy.follows_the_engine else self.inherited_drift
         return all(row.drift == kept for row in self.epochs) and self.drift == kept
 
     @property
@@ -122,7 +122,7 @@ def ends_early(forecast: Forecast) -> Optional[str]:
     when it cuts epochs short; only the Trainer's own plan is judged (``realign`` and ``drop_last`` end
     where they are meant to and say so).
     """
-    if forecast.policy in (Policy.REALIGN, Policy.DROP_LAST) or not forecast.epochs:
+    if forecast.policy.lowers_the_plan or not forecast.epochs:
         return None
     if forecast.behaviour.planned_steps is PlannedSteps.WHOLE:  # it runs its epochs whatever it counts
         return None

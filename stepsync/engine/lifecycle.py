@@ -139,11 +139,11 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None,
     for fault in start.client_faults:
         run.report.weight_faults.append(fault)
         repair = f"; policy '{run.policy.value}' cannot repair it from outside" if run.policy.interferes else ""
-        _refuse_or_warn(run, f"{fault}{repair}", "before the first micro-batch")
+        run.object_to(f"{fault}{repair}", "before the first micro-batch")
     run.token_weights = watch_tokens(run, start.loss_normalisation, start.loss_fix or start.framework.loss_fix)
     for where, asked, fix in start.asked_g:
         if asked != in_force:
-            _refuse_or_warn(run, f"{where} asks gradient_accumulation_steps={asked} but the engine accumulates "
+            run.object_to(f"{where} asks gradient_accumulation_steps={asked} but the engine accumulates "
                                  f"{in_force} micro-batches per update; {fix}", "before the first micro-batch")
     _count_from(run, start.trainer_steps)
     steering = run.begin()
@@ -159,7 +159,7 @@ def _state_what_differs(run: Run, framework: Framework) -> None:
     engine_g = run.facts.gradient_accumulation_steps
     if engine_g not in (None, run.g):
         run.known_cause, run.remedy = Cause.TWO_GS, framework.g_fix
-        _refuse_or_warn(run, f"the engine's gradient_accumulation_steps={engine_g} differs from {framework.whose_g} "
+        run.object_to(f"the engine's gradient_accumulation_steps={engine_g} differs from {framework.whose_g} "
                              f"{run.g}: {framework.g_fix}", "before the first micro-batch", error=True)
     if not run.facts.managed_accumulation:
         run.voice.note("DeepSpeed's managed_gradient_accumulation is false: the engine updates at every step() call, "
@@ -204,7 +204,7 @@ def _say_a_resume_that_trains_nothing(run: Run, record: ResumeRecord) -> None:
     predicted = run.report.forecast
     if predicted is None or any(row.micro_batches for row in predicted.epochs):
         return
-    _refuse_or_warn(run, f"the resumed run trains nothing: its checkpoint holds {record.trainer_steps} update(s) "
+    run.object_to(f"the resumed run trains nothing: its checkpoint holds {record.trainer_steps} update(s) "
                          f"({run.report.counter}; the plan has {predicted.planned_steps}), already the end of the "
                          "plan: resume from an earlier checkpoint, or raise the epochs or max_steps to train on",
                     "before the first micro-batch")
@@ -281,10 +281,8 @@ def _say_the_shift(run: Run, shift: Optional[ResumeShift]) -> None:
     run.report.resume_shift = shift
     if shift.exact:
         run.voice.note(shift.message())
-    elif run.policy.stops:
-        raise StepSyncConfigError(f"{shift.message()}; policy 'raise' stops every rank before the first micro-batch")
     else:
-        run.voice.warn(shift.message())
+        run.object_to(shift.message(), "every rank before the first micro-batch")
 
 
 def say_the_clip(run: Run, asked: Optional[float], fix: str, where: str) -> None:
@@ -297,15 +295,7 @@ def say_the_clip(run: Run, asked: Optional[float], fix: str, where: str) -> None
             + (f"clips at {applied:g}" if applied else "does not clip at all")
             + f" (the DeepSpeed config's gradient_clipping, or this DeepSpeed release's default where the config "
               f"has none, wins); {fix}")
-    _refuse_or_warn(run, text, where)
-
-
-def _refuse_or_warn(run: Run, text: str, where: str, error: bool = False) -> None:
-    """What is in force is not what was asked: a warning (an ``error`` where every rank must hear it), or under a
-    policy that stops, a stop ``where`` it is found."""
-    if run.policy.stops:
-        raise StepSyncConfigError(f"{text}; policy '{run.policy.value}' stops {where}")
-    (run.voice.error if error else run.voice.warn)(text)
+    run.object_to(text, where)
 
 
 def say_switched_off(report: SyncReport, policy: Policy, reason: str, exc_info: Optional[BaseException] = None) -> None:

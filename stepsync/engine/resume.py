@@ -77,8 +77,8 @@ class UnsafeSaves:
         if not said:
             return
         text = f"checkpoint {os.path.basename(os.path.normpath(folder))}: " + "; ".join(said)
-        if run.policy.stops:
-            raise UnsafeCheckpointError(f"{text}; policy '{run.policy.value}' stops at this save")
+        if run.policy.stops:  # raises: a save a resume cannot continue from exactly
+            run.object_to(text, "at this save", UnsafeCheckpointError)
         if self.said:
             self.later += 1
             self.at = run.voice.running_note(self.at, f"{self.later} later save(s) like it, the last {text}")
@@ -135,6 +135,4 @@ def check_the_schedules(run: Run, schedules: Sequence[Schedule], trainer_steps: 
         kind = type(getattr(schedule.scheduler, "scheduler", schedule.scheduler)).__name__
         text = (f"{where}, the LR schedule ({kind}) stands at step {position} where {counted}: it {what}, and the "
                 f"learning rate follows it; {schedule.kept_in}")
-        if run.policy.stops:
-            raise UnsafeCheckpointError(f"{text}; policy '{run.policy.value}' stops before the first micro-batch")
-        run.voice.warn(text)
+        run.object_to(text, "before the first micro-batch", UnsafeCheckpointError)

@@ -11,7 +11,7 @@ import logging
 from typing import Any, Optional
 
 from ..core.choices import Policy
-from ..core.errors import StepSyncError
+from ..core.errors import StepSyncConfigError, StepSyncError
 from ..core.events import Cause, DriftEvent
 from ..core.plan import RunPlan
 from ..core.prediction import Forecast
@@ -232,6 +232,14 @@ class Run:
                             f"{self.position}: the drift {self.last_drift:+d} carried until then is taken back")
             self.last_drift = 0
         return trainer_steps
+
+    def object_to(self, text: str, stops_at: str, refusal: type = StepSyncConfigError, error: bool = False) -> None:
+        """What stepsync finds wrong, decided in one place, worded one way: under a policy that stops, ``refusal``
+        raised with where it stops (``stops_at``: "before the first micro-batch", "at this save"); else warned (an
+        ``error`` where every rank must hear it). Every rank reads the same, so every rank decides alike."""
+        if self.policy.stops:
+            raise refusal(f"{text}; policy '{self.policy.value}' stops {stops_at}")
+        (self.voice.error if error else self.voice.warn)(text)
 
     @property
     def updates_counted(self) -> str:

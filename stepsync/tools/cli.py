@@ -344,7 +344,7 @@ def end_after_a_process_group(code: int) -> None:
 
 def run_lightning_demo(args) -> int:
     """The Lightning demo runs in a process of its own: this command line never imports Lightning."""
-    remedy = LIGHTNING.parse_policy(Policy.SYNC if args.policy is Policy.WARN else args.policy, as_flag=True)
+    remedy = LIGHTNING.parse_policy(Policy.SYNC if args.policy.watches_only else args.policy, as_flag=True)
     missing = [p for p in ("torch", "lightning", "deepspeed") if installed_version(p) is None]
     if missing:
         print(f"stepsync: error: stepsync demo --framework lightning needs {', '.join(missing)}: "
