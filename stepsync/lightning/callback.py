@@ -165,8 +165,11 @@ class StepSyncCallback(Callback, Adapter):
             lightning_facts.end_epochs_after(trainer, self._batches)
         self._epoch_open = False
 
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._batch_ends(trainer, pl_module)
+
     @guarded(steering=True)
-    def on_train_batch_end(self, run: Run, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def _batch_ends(self, run: Run, trainer, pl_module) -> None:
         count = trainer.global_step
         updated = count != self._last_count
         self._last_count = count
@@ -175,8 +178,11 @@ class StepSyncCallback(Callback, Adapter):
             self._observe("on_train_batch_end", lightning_facts.add_metrics, pl_module, count, run.engine_steps_seen,
                           run.updates.metrics())
 
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self._epoch_ends(trainer)
+
     @guarded(steering=True)
-    def on_train_epoch_end(self, run: Run, trainer, pl_module) -> None:
+    def _epoch_ends(self, run: Run, trainer) -> None:
         if self._dropped and run.position >= self._batches:
             run.drop(run.epoch + 1, self._dropped)
         run.end_epoch(trainer.global_step)

@@ -220,15 +220,21 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
         state.max_steps = before[1]
         self._switch_off(f"{reason}; no rank steers this run", exc_info=failure)
 
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self._epoch_begins()
+
     @guarded(steering=True)
-    def on_epoch_begin(self, run: Run, args, state, control, **kwargs):
+    def _epoch_begins(self, run: Run) -> None:
         run.begin_epoch()
 
     on_substep_end = _micro_batch_hook("on_substep_end", trainer_updated=False)
     on_step_end = _micro_batch_hook("on_step_end", trainer_updated=True)
 
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._epoch_ends(args, state, control)
+
     @guarded(steering=True)
-    def on_epoch_end(self, run: Run, args, state, control, **kwargs):
+    def _epoch_ends(self, run: Run, args, state, control) -> None:
         steering = run.end_epoch(state.global_step)
         if steering is not None:
             trainer_facts.steer(self._trainer, steering, args, state, control, at_step_end=False)
@@ -246,8 +252,11 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
             return self._failed("on_log", exc, False)
         return None
 
+    def on_save(self, args, state, control, **kwargs):
+        self._saved(args, state)
+
     @guarded(steering=False)
-    def on_save(self, run: Run, args, state, control, **kwargs):
+    def _saved(self, run: Run, args, state) -> None:
         if getattr(args, "should_save", state.is_world_process_zero):
             trainer_facts.save_the_record(run, args, state, STORED_BY_TRAINER, self.policy.stops)
         run.saved_checkpoint()

@@ -153,6 +153,21 @@ class RunResult(tiny_run.TinyRun):
     callback: Any = None
 
 
+def hooks_as_declared(ours, base) -> list:
+    """The hooks ``ours`` defines, each checked to take ``base``'s positional parameters (what follows only names one
+    of its ``**kwargs``); returns their names."""
+    import inspect
+
+    hooks = [name for name in vars(ours) if name.startswith("on_") and callable(getattr(base, name, None))]
+    for name in hooks:
+        mine = inspect.signature(getattr(ours, name)).parameters.values()
+        theirs = [p.name for p in inspect.signature(getattr(base, name)).parameters.values()
+                  if p.kind is not p.VAR_KEYWORD]
+        required = [p.name for p in mine if p.default is p.empty and p.kind is not p.VAR_KEYWORD]
+        assert required == theirs, (ours.__module__, name, required, theirs)
+    return hooks
+
+
 def record_losses(trainer, into: list) -> None:
     """The recorder's own view of the losses: what ``trainer.training_step`` returned on this rank (the Trainer sums
     it into its loss, and gathers the mean over ranks at each log), with the engine's count after each micro-batch."""

@@ -263,3 +263,14 @@ def test_the_readmes_lightning_example_runs_as_written_with_the_cuda_check_lifte
     # 3 micro-batches per epoch, accumulate_grad_batches=2, 2 epochs: sync ends each epoch after its whole window
     # (docs/lightning.md), one update per epoch on both counts
     assert "stepsync counts: 2 2 0" in done.stdout and "built successfully" not in done.stdout, done.stdout[-2000:]
+
+
+def test_every_hook_keeps_lightnings_signature():
+    """A reader who knows Lightning's Callback finds each hook as it declares it (on_train_batch_end(self, trainer,
+    pl_module, outputs, batch, batch_idx)): stepsync's guard never adds a parameter."""
+    from lightning.pytorch.callbacks import Callback
+
+    from harness.runs import hooks_as_declared
+    from stepsync.lightning import StepSyncCallback
+
+    assert "on_train_batch_end" in hooks_as_declared(StepSyncCallback, Callback)

@@ -300,3 +300,14 @@ def test_constructor_arguments_are_validated(kwargs, message):
 
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
         StepSyncCallback(**kwargs)
+
+
+def test_every_hook_keeps_its_base_class_signature():
+    """A reader who knows transformers' TrainerCallback finds each hook as the base class declares it: stepsync's guard
+    looks its run up on the callback and never adds a parameter (tests/integration/test_lightning.py: Lightning's)."""
+    from transformers import TrainerCallback
+
+    from harness.runs import hooks_as_declared
+    from stepsync import StepSyncCallback
+
+    assert hooks_as_declared(StepSyncCallback, TrainerCallback)
