@@ -65,3 +65,14 @@ def test_the_landing_page_is_short_and_links_every_docs_page():
     assert len(readme.splitlines()) <= 200
     listed = subprocess.run(["git", "ls-files", "docs"], capture_output=True, text=True, cwd=REPO).stdout.split()
     assert listed and all(f"({page})" in readme for page in listed if page.endswith(".md"))
+
+
+def test_the_map_of_tests_names_every_module_of_the_core_and_the_run():
+    text = open(os.path.join(REPO, "tests", "README.md")).read()
+    rows = dict(re.findall(r"^\| `(stepsync/[\w/]+\.py)` \| (.+) \|$", text, re.M))
+    modules = sorted(f"stepsync/{folder}/{name}" for folder in ("core", "engine")
+                     for name in os.listdir(os.path.join(REPO, "stepsync", folder))
+                     if name.endswith(".py") and name != "__init__.py")
+    assert sorted(rows) == modules
+    named = {path for cell in rows.values() for path in re.findall(r"`([\w/]+\.py)`", cell)}
+    assert named and all(os.path.isfile(os.path.join(REPO, "tests", path)) for path in named), named
