@@ -141,7 +141,8 @@ class Framework:
             the releases (None: the release table says); ``caveat``: what the forecast cannot know of it.
         loss_fix: how a user of it makes each window's loss a mean over its trained tokens, in a message.
         checkpoints: the folders ``stepsync inspect`` reads of it: "trainer" (``checkpoint-N``, and Ray Train's),
-            "accelerate" (``accelerator.save_state``'s), or "" where it saves neither.
+            "accelerate" (``accelerator.save_state``'s), "deepspeed" (``engine.save_checkpoint``'s), or "" where it
+            saves none of them.
     """
 
     name: str
@@ -270,7 +271,7 @@ DEEPSPEED_LOOP = Framework(
                      "keep policy 'warn' and adopt watch.report.engine_steps"),
              Refusal("ends_epochs_early", "cannot end your dataloader's epochs early", (Policy.SYNC,),
                      "drop each epoch's partial window in your loop")),
-    packages=("deepspeed",))
+    packages=("deepspeed",), checkpoints="deepspeed")
 
 FRAMEWORKS = (TRAINER, LIGHTNING, ACCELERATE_LOOP, FABRIC_LOOP, DEEPSPEED_LOOP)
 

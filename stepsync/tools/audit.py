@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 
 from ..core import record as checkpoint
 from ..core.errors import AuditInputError
-from ..core.frameworks import ACCELERATE_LOOP, FRAMEWORKS, TRAINER, Framework
+from ..core.frameworks import FRAMEWORKS, Framework
 from ..core.record import ResumeRecord, rng_state_ranks
 from ..core.relayout import places_by_name
 from .archives import archive_problem, int_in_pickle
@@ -204,9 +204,10 @@ def audit_output_dir(path: str, verify_data: bool = True, framework: Optional[Fr
     (which reads every byte of the checkpoint). ``framework``: the one that saved them (default: told by the
     folders); a folder another framework saved is refused, naming it."""
     if framework is not None and not framework.checkpoints:
-        readable = " and ".join(f"{f.key}'s" for f in FRAMEWORKS if f.checkpoints)
-        raise AuditInputError(f"stepsync inspect reads {readable} checkpoints; {framework.name} saves neither "
-                              f"(--framework {framework.key}): pass the folder a Trainer or an accelerate loop saved")
+        readable = [f.key for f in FRAMEWORKS if f.checkpoints]
+        named = ", ".join(readable[:-1]) + f" and {readable[-1]}" if len(readable) > 1 else readable[0]
+        raise AuditInputError(f"stepsync inspect reads the checkpoints of --framework {named}; {framework.name} "
+                              f"saves none of them (--framework {framework.key}): pass a folder one of those saved")
     if not os.path.exists(path):
         raise AuditInputError(f"{path!r} does not exist: pass the Trainer's output_dir")
     if not os.path.isdir(path):
@@ -215,10 +216,10 @@ def audit_output_dir(path: str, verify_data: bool = True, framework: Optional[Fr
     found = [named] if named is not None else checkpoints_under(path)
     if not found:
         raise AuditInputError(f"no checkpoint-N folders (nor Ray Train checkpoint_<timestamp> folders, nor "
-                              f"accelerator.save_state folders) in {path!r}: "
+                              f"accelerator.save_state or engine.save_checkpoint folders) in {path!r}: "
                               "pass the output_dir of a Trainer run that saved, or Ray Train's <storage_path>/<name>")
     if framework is not None:
-        saved_by = {item.name: ACCELERATE_LOOP if item.loop else TRAINER for item in found}
+        saved_by = {item.name: next(f for f in FRAMEWORKS if f.checkpoints == item.saved_by) for item in found}
         other = sorted(name for name, by in saved_by.items() if by.checkpoints != framework.checkpoints)
         if other:
             by = saved_by[other[0]]
@@ -263,8 +264,9 @@ def audit_checkpoint(path: str, verify_data: bool = True, located: Optional[Loca
 
 
 def _audit_loop(located: Located, verify_data: bool) -> CheckpointAudit:
-    """One ``accelerator.save_state`` folder: DeepSpeed's step read from its files, against the loop's count in
-    stepsync's record (its name may count updates or micro-batches: it is not read)."""
+    """One folder a custom loop saved (``accelerator.save_state``'s, DeepSpeed's files in the tag its ``latest`` names;
+    ``engine.save_checkpoint``'s, the tag folder itself): DeepSpeed's step read from its files, against the loop's
+    count in stepsync's record (its name may count updates or micro-batches: it is not read)."""
     name, path = located.name, located.path
     audit = CheckpointAudit(name, path, located.step or 0, loop=True)
     try:
@@ -274,24 +276,29 @@ def _audit_loop(located: Located, verify_data: bool) -> CheckpointAudit:
     record = audit.record
     if record is not None:
         audit.trainer_step = record.trainer_steps
-    try:
-        with open(os.path.join(path, "latest")) as handle:
-            audit.deepspeed_tag = handle.read().strip()
-    except (OSError, UnicodeDecodeError):
-        audit.problems.append(f"{name} has no readable 'latest' file: DeepSpeed's save did not finish (or this loop "
-                              "did not train with DeepSpeed); resume from an earlier checkpoint")
-        return audit
+    by_the_engine = located.saved_by == "deepspeed"
+    if by_the_engine:  # the folder is DeepSpeed's tag itself (its save_dir holds 'latest')
+        audit.deepspeed_tag = name
+    else:
+        try:
+            with open(os.path.join(path, "latest")) as handle:
+                audit.deepspeed_tag = handle.read().strip()
+        except (OSError, UnicodeDecodeError):
+            audit.problems.append(f"{name} has no readable 'latest' file: DeepSpeed's save did not finish (or this "
+                                  "loop did not train with DeepSpeed); resume from an earlier checkpoint")
+            return audit
     audit.deepspeed_step = located.step
     if located.step is None:
         audit.problems.append(f"{name}/{audit.deepspeed_tag}: no readable model states give DeepSpeed's step: the "
                               "save is incomplete; resume from an earlier checkpoint")
         return audit
-    _read_tag_folder(audit, os.listdir(path), verify_data, audit.deepspeed_tag)
+    _read_tag_folder(audit, os.listdir(path), verify_data, audit.deepspeed_tag, path if by_the_engine else None)
     if record is None:
         return audit
     if record.trainer_steps != located.step:
-        audit.findings.append(Mismatch("loop_count", f"holds DeepSpeed's step {located.step}: your loop counted "
-                                                     f"{record.trainer_steps} updates (drift {audit.drift:+d})"))
+        audit.findings.append(Mismatch("engine_loop_count" if by_the_engine else "loop_count",
+                                       f"holds DeepSpeed's step {located.step}: your loop counted "
+                                       f"{record.trainer_steps} updates (drift {audit.drift:+d})"))
     _check_open_window(audit)
     return audit
 
@@ -380,11 +387,13 @@ def _compare_steps(audit: CheckpointAudit) -> None:
                                     f"(drift {audit.drift:+d})"))
 
 
-def _read_tag_folder(audit: CheckpointAudit, entries: List[str], verify_data: bool, tag: str = "") -> None:
-    """Every file DeepSpeed will read from ``global_stepM/`` (a loop's: ``tag``) is there and whole."""
+def _read_tag_folder(audit: CheckpointAudit, entries: List[str], verify_data: bool, tag: str = "",
+                     folder: Optional[str] = None) -> None:
+    """Every file DeepSpeed will read from ``global_stepM/`` (a loop's: ``tag``; ``folder``: where that tag folder
+    is, when it is the checkpoint itself) is there and whole."""
     tag = tag or f"global_step{audit.deepspeed_step}"
-    folder = os.path.join(audit.path, tag)
-    where = f"{audit.name}/{tag}"
+    where = f"{audit.name}/{tag}" if folder is None else audit.name
+    folder = folder or os.path.join(audit.path, tag)
     files = sorted(os.listdir(folder))
     broken = {name: why for name in files if name.endswith(".pt")
               for why in [archive_problem(os.path.join(folder, name), verify_data)] if why}

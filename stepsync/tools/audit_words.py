@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List
 
+from ..core.frameworks import DEEPSPEED_LOOP
+
 
 @dataclass(frozen=True)
 class Mismatch:
@@ -24,6 +26,7 @@ EXPLAINED = {
     "named_by_the_trainer": "the folder is named by the Trainer's count, the tag by the engine's (DeepSpeed's issue "
                             f"#7405), and a resume inherits the drift: {TRAINER_FIX}",
     "loop_count": f"a resume inherits the drift: {LOOP_FIX}",
+    "engine_loop_count": f"a resume inherits the drift: {DEEPSPEED_LOOP.remedy}",
     "open_window": "DeepSpeed saves neither their gradients nor its micro-step counter, so a resume loses them: resume "
                    "from a checkpoint saved with none in its open window, and save only where windows close from "
                    "the start: policy='sync' (StepSyncCallback, or stepsync.watch(accelerator, policy='sync')), or "
@@ -37,6 +40,7 @@ EXPLAINED = {
 SEVERAL = {
     "named_by_the_trainer": "hold DeepSpeed tags other than the Trainer's count (the drift column)",
     "loop_count": "hold DeepSpeed steps other than your loop's count (the drift column)",
+    "engine_loop_count": "hold DeepSpeed steps other than your loop's count (the drift column)",
     "open_window": "were saved with micro-batches in DeepSpeed's open window (the 'open window' column)",
     "renamed": "are named for other steps than their trainer_state.json says",
     "record_and_tag": "hold stepsync records of other engine steps than DeepSpeed's tags",

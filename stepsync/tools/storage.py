@@ -24,12 +24,18 @@ ENGINE_MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_
 
 class Located(NamedTuple):
     """One checkpoint: its name as shown, the folder that holds its files, its step (None where it cannot be read),
-    and whether a custom loop saved it (``accelerator.save_state``: the step is DeepSpeed's)."""
+    and who saved it: ``saved_by`` is a framework's ``checkpoints`` ("trainer"; "accelerate" for
+    ``accelerator.save_state``, "deepspeed" for a loop's ``engine.save_checkpoint``: their step is DeepSpeed's)."""
 
     name: str
     path: str
     step: Optional[int]
-    loop: bool = False
+    saved_by: str = "trainer"
+
+    @property
+    def loop(self) -> bool:
+        """A custom loop saved it: its count is in stepsync's record, not in the folder."""
+        return self.saved_by != "trainer"
 
 
 def is_loop_checkpoint(path: str) -> bool:
@@ -39,6 +45,26 @@ def is_loop_checkpoint(path: str) -> bool:
     except OSError:
         return False
     return TRAINER_STATE not in entries and any(RANDOM_STATES.match(name) for name in entries)
+
+
+def is_engine_checkpoint(path: str) -> bool:
+    """A folder ``engine.save_checkpoint`` wrote (a loop that drives DeepSpeed's engine): DeepSpeed's model states
+    at its top, and neither a Trainer's state nor accelerate's random states."""
+    try:
+        entries = os.listdir(path)
+    except OSError:
+        return False
+    return any(name in entries for name in ENGINE_MODEL_STATES) and TRAINER_STATE not in entries and not any(
+        RANDOM_STATES.match(name) for name in entries)
+
+
+def engine_step_in(folder: str) -> Optional[int]:
+    """DeepSpeed's ``global_steps`` in the model states at the top of ``folder`` (read from the pickle's opcodes)."""
+    for name in ENGINE_MODEL_STATES:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            return int_in_pickle(path, "global_steps")
+    return None
 
 
 def engine_step_of(folder: str) -> Optional[int]:
@@ -62,7 +88,8 @@ def _holds_checkpoints(path: str) -> bool:
     except OSError:
         return False
     return any(os.path.isdir(inner) and (step_of(name) is not None or RAY_CHECKPOINT.match(name)
-                                         or is_loop_checkpoint(inner)) for name, inner in entries)
+                                         or is_loop_checkpoint(inner) or is_engine_checkpoint(inner))
+               for name, inner in entries)
 
 
 def step_in_trainer_state(folder: str) -> Optional[int]:
@@ -86,7 +113,9 @@ def locate(path: str) -> Optional[Located]:
     if _holds_checkpoints(path):  # an output folder, whatever sits at its root (save_state's trainer_state.json)
         return None
     if is_loop_checkpoint(path):
-        return Located(name, path, engine_step_of(path), loop=True)
+        return Located(name, path, engine_step_of(path), "accelerate")
+    if is_engine_checkpoint(path):
+        return Located(name, path, engine_step_in(path), "deepspeed")
     inner = os.path.join(path, RAY_INNER)
     if RAY_CHECKPOINT.match(name) or (not os.path.isfile(os.path.join(path, TRAINER_STATE))
                                       and os.path.isfile(os.path.join(inner, TRAINER_STATE))):
@@ -107,6 +136,8 @@ def checkpoints_under(path: str) -> List[Located]:
              if step_of(name) is not None]
     found += [located for name in os.listdir(path) if RAY_CHECKPOINT.match(name)
               and (located := locate(os.path.join(path, name))) is not None]
-    found += [Located(name, inner, engine_step_of(inner), loop=True) for name in os.listdir(path)
+    found += [Located(name, inner, engine_step_of(inner), "accelerate") for name in os.listdir(path)
               if step_of(name) is None and is_loop_checkpoint(inner := os.path.join(path, name))]
+    found += [Located(name, inner, engine_step_in(inner), "deepspeed") for name in os.listdir(path)
+              if step_of(name) is None and is_engine_checkpoint(inner := os.path.join(path, name))]
     return sorted(found, key=lambda item: (item.step is None, item.step or 0, item.name))

@@ -328,3 +328,29 @@ def test_check_forecasts_the_watched_loop_under_sync():
     assert [epoch["engine_steps"] for epoch in forecast["epochs"]] == run.epoch_ends == [3, 6]
     assert [(row.trainer_steps, row.engine_steps) for row in run.watch.report.epochs] == [
         (epoch["trainer_steps"], epoch["engine_steps"]) for epoch in forecast["epochs"]]
+
+
+@pytest.mark.parametrize("framework", [None, "deepspeed"])
+def test_inspect_reads_a_loops_engine_checkpoints(tmp_path, framework):
+    """engine.save_checkpoint(save_dir, tag=f"epoch_{e}") after every epoch of the chat loop (7 micro-batches, G=3,
+    warn: the engine's windows cross the epoch's end): inspect reads each tag folder, told by its files or with
+    --framework deepspeed, holds DeepSpeed's step (from its files) against the loop's count (stepsync's record), and
+    says what a resume from it inherits; the truth is the loop's own count and the engine's at each save."""
+    import json
+
+    from harness.cli import stepsync
+    from harness.raw_loops import run_chat_loop
+
+    full = run_chat_loop(7, 3, 2, policy="warn", save_to=str(tmp_path))
+    args = ["inspect", str(tmp_path), "--json", "--quick"] + (["--framework", framework] if framework else [])
+    proc = stepsync(*args)
+    data = json.loads(proc.stdout)
+    rows = {c["name"]: (c["trainer_step"], c["deepspeed_step"], c["drift"]) for c in data["checkpoints"]}
+    loop_counts = [3, 6]  # the loop's windows: 3 an epoch (3, 3, 1)
+    assert rows == {f"epoch_{e}": (loop_counts[e], full.epoch_ends[e], loop_counts[e] - full.epoch_ends[e])
+                    for e in (0, 1)}
+    assert proc.returncode == (1 if any(drift for *_, drift in rows.values()) else 0)
+    flat = " ".join(stepsync(*[a for a in args if a != "--json"]).stdout.split())
+    assert "your loop's DeepSpeed" in flat and "trainer_state" not in flat  # the loop's columns
+    if any(drift for *_, drift in rows.values()):
+        assert "engine.set_gradient_accumulation_boundary(True) before its last backward()" in flat

@@ -117,7 +117,7 @@ def test_inspect_framework_refuses_the_folders_another_framework_saved(tmp_path)
     for folder in ("trainer", "loop"):
         for framework in ("lightning", "fabric"):
             code, line = said[folder, framework]
-            assert code == 2 and "reads trainer's and accelerate's checkpoints" in line, line
+            assert code == 2 and "reads the checkpoints of --framework trainer, accelerate and deepspeed" in line, line
 
 
 def test_a_missing_latest_names_its_repair_and_the_earliest_checkpoint_is_not_sent_to_an_earlier_one(tmp_path):

@@ -47,7 +47,7 @@ def test_rays_storage_is_read_by_step(tmp_path):
 def test_one_ray_checkpoint_is_found_from_its_folder_or_the_one_inside(tmp_path):
     job = ray_storage(tmp_path, steps=(4,))
     (outer,) = [p for p in job.iterdir() if p.is_dir()]
-    assert locate(str(outer)) == locate(str(outer / "checkpoint")) == (outer.name, str(outer / "checkpoint"), 4, False)
+    assert locate(str(outer)) == locate(str(outer / "checkpoint")) == (outer.name, str(outer / "checkpoint"), 4, "trainer")
 
 
 def test_a_ray_folder_whose_state_is_missing_is_a_problem_not_a_crash(tmp_path):
