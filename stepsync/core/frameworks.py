@@ -34,6 +34,12 @@ TRAINER_LOSS_FIX = ("divide the summed token losses by num_items_in_batch in you
 COMPUTE_LOSS_FUNC_FIX = ("divide the summed token losses by num_items_in_batch in your compute_loss_func (the Trainer "
                          "passes it, and then never divides the loss by G itself); or declare the rule meant: "
                          "StepSyncCallback(loss_normalisation='micro_batch_mean' or 'sequence_mean')")
+# Where the release was not measured to pass it (4.46.3 passes None).
+COMPUTE_LOSS_FUNC_FIX_OLDER = ("divide the summed token losses by the trained tokens of the whole window in your "
+                               "compute_loss_func: its num_items_in_batch where the Trainer passes it (transformers "
+                               "4.57.6 and 5.x do, 4.46.3 passes None: there count them yourself, or upgrade); or "
+                               "declare the rule meant: StepSyncCallback(loss_normalisation='micro_batch_mean' or "
+                               "'sequence_mean')")
 
 
 class TrainerRule(_Named):

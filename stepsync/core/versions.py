@@ -111,6 +111,13 @@ TRAINER_CONFIG_FILL = (
 )
 
 
+# Whether the Trainer hands a compute_loss_func the window's num_items_in_batch (the fix the loss-normalisation
+# warning offers there): measured by tests/integration/test_token_weights.py on the stacks it runs on.
+LOSS_FUNC_GETS_ITEMS = ReleaseRow("transformers", "4.57.6", None, "passes_items",
+                                  "the Trainer passes num_items_in_batch to a compute_loss_func (measured on 4.57.6 "
+                                  "and 5.24.0; 4.46.3 passes None)")
+
+
 def trainer_config_fill(transformers: str) -> frozenset:
     """The names of the :data:`TRAINER_CONFIG_FILL` rows that hold on ``transformers``."""
     return frozenset(row.behaviour for row in TRAINER_CONFIG_FILL if row.covers(transformers))

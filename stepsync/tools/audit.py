@@ -205,8 +205,8 @@ def audit_output_dir(path: str, verify_data: bool = True, framework: Optional[Fr
     folders); a folder another framework saved is refused, naming it."""
     if framework is not None and not framework.checkpoints:
         readable = [f.key for f in FRAMEWORKS if f.checkpoints]
-        named = ", ".join(readable[:-1]) + f" and {readable[-1]}" if len(readable) > 1 else readable[0]
-        raise AuditInputError(f"stepsync inspect reads the checkpoints of --framework {named}; {framework.name} "
+        keys = ", ".join(readable[:-1]) + f" and {readable[-1]}" if len(readable) > 1 else readable[0]
+        raise AuditInputError(f"stepsync inspect reads the checkpoints of --framework {keys}; {framework.name} "
                               f"saves none of them (--framework {framework.key}): pass a folder one of those saved")
     if not os.path.exists(path):
         raise AuditInputError(f"{path!r} does not exist: pass the Trainer's output_dir")

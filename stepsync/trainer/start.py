@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import math
 from enum import Enum
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from ..core.choices import Policy
 from ..core.errors import StepSyncConfigError
-from ..core.frameworks import COMPUTE_LOSS_FUNC_FIX, TRAINER
+from ..core.frameworks import COMPUTE_LOSS_FUNC_FIX, COMPUTE_LOSS_FUNC_FIX_OLDER, TRAINER
 from ..core.plan import RunPlan, resume_position
 from ..core.record import record_from_files
 from ..core.tokens import Normalisation, trl_generation_scale
-from ..core.versions import StackBehaviour, installed_version
+from ..core.versions import LOSS_FUNC_GETS_ITEMS, StackBehaviour, installed_version
 from ..display.output import ConsoleOutput
 from ..engine.deepspeed import engine_facts, spread_across_ranks
 from ..engine.lifecycle import RunStart, open_run
@@ -77,12 +77,21 @@ def start_run(trainer: Any, args: Any, state: Any, engine: Any, train_dataloader
         record_problem=record_problem, shift=shift,
         inherited_remedy=REUSED_ENGINE_REMEDY if state.global_step == 0 else INHERITED_REMEDY,
         asked_clip=trainer_facts.asked_clip(args), loss_normalisation=loss_normalisation,
-        loss_fix=COMPUTE_LOSS_FUNC_FIX if getattr(trainer, "compute_loss_func", None) is not None else None,
+        loss_fix=loss_fix_of(trainer),
         client_faults=client_faults(args),
         schedules=engines_schedule(engine) if engine_facts(engine).deepspeed else ()), built)
     if steering is not None and steering.max_steps is not None:
         state.max_steps = steering.max_steps
     return run
+
+
+def loss_fix_of(trainer: Any) -> Optional[str]:
+    """How to make each window's loss a token mean in this Trainer: with a compute_loss_func, in that function (in the
+    words that hold on the installed release); else the framework's own fix (None)."""
+    if getattr(trainer, "compute_loss_func", None) is None:
+        return None
+    return (COMPUTE_LOSS_FUNC_FIX if LOSS_FUNC_GETS_ITEMS.covers(installed_version("transformers") or "0")
+            else COMPUTE_LOSS_FUNC_FIX_OLDER)
 
 
 def client_faults(args: Any) -> Tuple[str, ...]:

@@ -80,6 +80,7 @@ def run_case(out_dir: str, name: str) -> None:
     summary = result_summary(result)
     summary.update(
         max_steps=result.trainer.state.max_steps, checks=result.recording.checks, saves=result.recording.saves,
+        saved_after=result.recording.saved_after,
         output_dir=output_dir, should_save=bool(result.trainer.args.should_save),
         audit=audit_output_dir(output_dir).to_dict() if os.path.isdir(output_dir) and any(
             n.startswith("checkpoint-") for n in os.listdir(output_dir)) else None)

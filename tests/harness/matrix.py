@@ -233,7 +233,7 @@ def outcome(run) -> dict:
         "error": None if run.error is None else f"{type(run.error).__name__}: {run.error}",
         "epoch_ends": [list(pair) for pair in run.recording.epoch_ends],
         "forecast_epoch_ends": None if forecast is None else [[r.trainer_steps, r.engine_steps] for r in forecast.epochs],
-        "causes": [event.cause.name for event in report.events],
+        "causes": [event.cause.name for event in report.events for _ in range(event.changes)],  # one per change
         # Equal counts can still hide windows that straddle epochs: compare where each side updated.
         "windows_agree": rises(run.recording.trainer_steps) == rises(run.recording.engine_steps),
         "fell_back": any("falling back" in note for note in report.notes),
