@@ -2,7 +2,7 @@
 applied, and the Trainer's ``train_loss`` (its loss sum over the updates counted) must not hold them."""
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Optional
 
 from ..engine.deepspeed import mean_across_ranks
 from ..engine.loop_objects import InstancePatches
@@ -20,18 +20,29 @@ class UnappliedLosses:
         self.engine = engine
         self.taken = False
         self.pending: List[Any] = []
+        self.failure: Optional[Exception] = None  # reading the engine failed: nothing is taken out
         self.seen = engine.global_steps
         self._patches = InstancePatches()
         original = trainer.training_step
 
         def training_step(*args: Any, **kwargs: Any) -> Any:
-            self._moved()  # an engine that updates at the loop's optimizer step applied the pending ones there
+            self._follow(before=True)  # an engine that updates at the loop's optimizer step applied them there
             loss = original(*args, **kwargs)
-            if not self._moved():  # one that updates inside backward applied this micro-batch's window now
-                self.pending.append(loss)
+            self._follow(loss=loss)  # one that updates inside backward applied this micro-batch's window now
             return loss
 
         self._patches.set(trainer, "training_step", training_step)
+
+    def _follow(self, before: bool = False, loss: Any = None) -> None:
+        """Keep the losses since the engine's last update; a failure reading it stays here (training goes on) and
+        is raised at :meth:`take_out`, where the callback says it."""
+        if self.failure is not None:
+            return
+        try:
+            if not self._moved() and not before:
+                self.pending.append(loss)
+        except Exception as exc:
+            self.failure, self.pending = exc, []
 
     def _moved(self) -> bool:
         if self.engine.global_steps == self.seen:
@@ -46,6 +57,8 @@ class UnappliedLosses:
         if self.taken:
             return 0.0
         self.taken = True
+        if self.failure is not None:
+            raise self.failure
         self._moved()
         total = mean_across_ranks(sum(float(loss) for loss in self.pending), device)
         trainer._total_loss_scalar = getattr(trainer, "_total_loss_scalar", 0.0) - total

@@ -29,8 +29,9 @@ def test_warn_names_the_engine_that_never_steps(stage):
     assert [batch[3] for batch in run.batches] == [0] * 6  # the loop's own record: the engine never moved
     report = run.watch.report
     assert (report.trainer_steps, report.engine_steps) == (2, 0)
-    assert [(e.epoch, e.micro_batch, e.drift, e.cause) for e in report.events] == [
-        (1, 2, 1, Cause.ENGINE_NOT_STEPPED), (2, 2, 2, Cause.ENGINE_NOT_STEPPED)]
+    # +1 in epoch 1, +2 in epoch 2, one cause: one entry, said where it started, with where it stood last
+    assert [(e.epoch, e.micro_batch, e.drift, e.cause, e.changes, e.last) for e in report.events] == [
+        (1, 2, 1, Cause.ENGINE_NOT_STEPPED, 2, (2, 2, 2, 0))]
     assert any("never calls engine.step()" in note for note in report.notes)
     said = any("only the last micro-batch" in note for note in report.notes)
     assert said == (stage == 2 and ZERO12 == "keeps_the_last")
