@@ -14,10 +14,10 @@ from typing import Any, Optional, Tuple
 
 from ..core.errors import UnsafeCheckpointError
 from ..core.plan import RunPlan
-from ..core.record import RECORD_FILE, ResumeRecord, load_record, write_json
+from ..core.record import RECORD_FILE
 from ..core.relayout import Layout, places_by_name
 from ..engine.lifecycle import RunStart, start_training
-from ..engine.resume import Schedule, UnsafeSaves, engines_schedule, record_of
+from ..engine.resume import LoopSaves, Schedule, engines_schedule
 from ..engine.run import Run
 
 _NUMBER_AT_END = re.compile(r"(\d+)$")
@@ -46,44 +46,24 @@ LOOP_KEEPS = ("accelerator.save_state keeps a scheduler given to prepare() in sc
               "it; one created or prepared after load_state starts over")
 
 
-class LoopCheckpoints:
-    """What a loop watch knows of the checkpoints its loop saves and loads.
-
-    Attributes:
-        loaded: the folder ``load_state`` read before the first micro-batch and its record (None: none read).
-        saves: the saves a resume cannot continue from exactly, said.
-    """
+class LoopCheckpoints(LoopSaves):
+    """What a loop watch knows of the checkpoints its accelerate loop saves (``save_state``) and loads
+    (``load_state``): the record it keeps in each, the saves a resume cannot continue from, the folder read."""
 
     def __init__(self, accelerator: Any) -> None:
+        super().__init__("load_state")
         self.accelerator = accelerator
-        self.loaded: Optional[Tuple[str, Optional[ResumeRecord]]] = None
-        self.saves = UnsafeSaves()
 
     def after_save(self, run: Run, folder: str, loop_steps: int, since_loop_update: int) -> None:
         """Keep the record in the folder, and say a save that a resume cannot continue from exactly."""
-        # Each node's first process: a node saving into a folder of its own keeps the record too (the same one).
-        if getattr(getattr(self.accelerator, "state", None), "is_local_main_process", True):
-            write_json(os.path.join(folder, RECORD_FILE), record_of(run).to_dict())
+        self.keep_the_record(run, folder, getattr(getattr(self.accelerator, "state", None), "is_local_main_process",
+                                                  True))
         number = _NUMBER_AT_END.search(os.path.basename(os.path.normpath(folder)))
         engine_steps, misnamed = run.engine.global_steps, []
         if number and int(number.group(1)) == loop_steps != engine_steps:
             misnamed.append(f"its name counts your loop's {loop_steps} updates but it holds DeepSpeed's step "
                             f"{engine_steps} (drift {loop_steps - engine_steps:+d}), which a resume restores")
         self.saves.check(run, folder, since_loop_update, "save where accelerator.sync_gradients is true", misnamed)
-
-    def after_load(self, run: Run, folder: Optional[str], started: bool) -> None:
-        """``load_state(folder)`` ran: its record is read for the first micro-batch."""
-        if started:
-            run.voice.warn(f"load_state({folder!r}) after training began: the report's counts are not taken again from "
-                           "it")
-            return
-        record = None
-        if folder is not None:
-            try:
-                record = load_record(folder)
-            except ValueError as exc:
-                run.voice.error(f"{folder}: stepsync's record is unreadable ({exc}); the report covers this run only")
-        self.loaded = (folder or "the newest checkpoint", record)
 
     def start_training(self, run: Run, opened: RunStart, num_epochs: Optional[float]) -> int:
         """The first micro-batch: training starts fresh, or where the checkpoint ``load_state`` read says. Returns
@@ -114,9 +94,7 @@ class LoopCheckpoints:
                                                 schedules=self.schedules(run, trusted=record is not None)),
                        resumed=True)
         if record is None:
-            run.voice.note(f"resumed from {folder}, saved without stepsync: your loop's count before it is not kept "
-                           f"there, so it is taken as the engine's ({engine_steps}); a drift the checkpoint carries "
-                           "cannot be seen, and epochs are numbered from the resume")
+            self.say_saved_without_stepsync(run, folder, engine_steps)
         return loop_steps
 
     def schedules(self, run: Run, trusted: bool) -> Tuple[Schedule, ...]:

@@ -21,19 +21,19 @@ import os
 from typing import Any, Optional, Tuple, Union
 
 from ..core.choices import Policy
-from ..core.errors import StepSyncConfigError, UnsupportedVersion
+from ..core.errors import StepSyncConfigError
 from ..core.events import Cause
 from ..core.frameworks import ACCELERATE_LOOP
 from ..core.plan import RunPlan
 from ..core.tokens import Normalisation
-from ..core.versions import EngineBoundary, Stack, behaviour_of
-from ..display.output import ConsoleOutput
+from ..core.versions import EngineBoundary
 from ..engine.deepspeed import engine_facts, is_engine, zero_loss
 from ..engine.faults import guarded
-from ..engine.lifecycle import RunStart, close_run, idle_report, open_run, say_the_clip
-from ..engine.loop_objects import InstancePatches, LoopAdapter, length_of
+from ..engine.lifecycle import RunStart, close_run, say_the_clip
+from ..engine.loop_objects import length_of
 from ..engine.policies import loop_action_for
 from ..engine.run import Run
+from ..engine.watch import UserLoopWatch
 from .checkpoints import LoopCheckpoints, loop_layout
 
 OUTSIDE_ACCUMULATE = ("accelerator.backward() ran outside `with accelerator.accumulate(model):` with "
@@ -51,7 +51,7 @@ def find_engine(accelerator: Any) -> Any:
     return getattr(getattr(accelerator, "deepspeed_engine_wrapped", None), "engine", None)
 
 
-class LoopWatch(LoopAdapter):
+class LoopWatch(UserLoopWatch):
     """Watches one custom accelerate loop; made by :func:`watch`. Use it as a context manager, or call
     :meth:`close` after the loop: that gives ``backward`` and the engine's boundary back and ends the report.
 
@@ -64,15 +64,14 @@ class LoopWatch(LoopAdapter):
         loop_steps: that count, live.
     """
 
-    def __init__(self, accelerator: Any, policy: Policy, dataloader: Any, num_epochs: Optional[float],
+    framework = ACCELERATE_LOOP
+    _checkpoints: LoopCheckpoints
+
+    def __init__(self, accelerator: Any, policy: Union[str, Policy], dataloader: Any, num_epochs: Optional[float],
                  console: Any, asked_g: Optional[int] = None,
-                 loss_normalisation: Normalisation = Normalisation.TOKEN_MEAN) -> None:
+                 loss_normalisation: Union[str, Normalisation] = Normalisation.TOKEN_MEAN) -> None:
+        self._watch(policy, console, loss_normalisation)
         self.accelerator = accelerator
-        self.loss_normalisation = loss_normalisation
-        self.policy = policy
-        self.output = ConsoleOutput(console)
-        self.report = idle_report(ACCELERATE_LOOP, policy)
-        self._run: Optional[Run] = None
         self._inside_accumulate = 0
         self._epoch_open = False
         self._outside = False  # backward() runs outside accumulate(): the loop's optimizer.step() calls are its count
@@ -82,16 +81,8 @@ class LoopWatch(LoopAdapter):
         self._counts_update = False
         self._since_loop_update = 0
         self._num_epochs = num_epochs
-        self._opened: Optional[RunStart] = None  # what the run opened from, until training starts
         self._checkpoints = LoopCheckpoints(accelerator)
-        self._patches = InstancePatches()
-        self.loop_steps = 0
         self._start(dataloader, num_epochs, asked_g)
-
-    @property
-    def run(self) -> Optional[Run]:
-        """The run being watched; None before, without DeepSpeed, and once stepsync switched itself off."""
-        return self._run
 
     # ------------------------------------------------------------ setup
 
@@ -102,8 +93,7 @@ class LoopWatch(LoopAdapter):
                                       "call stepsync.watch(engine), which watches a loop that drives it itself")
         if "DEEPSPEED" not in str(getattr(accelerator, "distributed_type", "")):
             kind = str(getattr(accelerator, "distributed_type", "unknown")).split(".")[-1]
-            self.report = idle_report(
-                ACCELERATE_LOOP, self.policy,
+            self._idle(
                 f"nothing to watch: the accelerator does not use DeepSpeed (distributed_type {kind}). "
                 "Given a DeepSpeed plugin, accelerate drops it under Accelerator(cpu=True): on a CPU machine leave "
                 "cpu out, set DS_ACCELERATOR=cpu and start the script with torchrun or accelerate launch",
@@ -113,30 +103,23 @@ class LoopWatch(LoopAdapter):
         if not is_engine(engine):
             raise StepSyncConfigError("stepsync.watch() found no DeepSpeed engine on the accelerator: call it after "
                                       "accelerator.prepare(model, optimizer, dataloader, ...)")
-        try:
-            installed = behaviour_of(Stack.installed())
-        except UnsupportedVersion as exc:
-            self.report = idle_report(ACCELERATE_LOOP, self.policy, f"{exc}; stepsync cannot check this run",
-                                      logging.WARNING)
+        behaviour = self._installed()
+        if behaviour is None:
             return
         g = int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1)
         n = length_of(dataloader)
-        behaviour = ACCELERATE_LOOP.applied_to(installed)
         plan = None if n is None or num_epochs is None else RunPlan(n, g, num_epochs, -1, 0, engine.global_steps)
-        in_force = engine_facts(engine).gradient_accumulation_steps or g  # accelerate < 1.8 may keep the code's G
+        in_force = engine_facts(engine).g_in_force(g)  # accelerate < 1.8 may keep the code's G
         self._opened = RunStart(ACCELERATE_LOOP, self.policy, engine, behaviour, n, g, self.output,
                                 is_main=bool(getattr(getattr(accelerator, "state", None), "is_main_process", True)),
                                 plan=plan, action=loop_action_for(self.policy), asked_g=g_asked(asked_g, in_force),
                                 loss_normalisation=self.loss_normalisation,
                                 layout=loop_layout(engine, dataloader, g, n))
         # The forecast waits for the first micro-batch: a load_state before it changes where the loop starts.
-        open_run(self._opened, self._keep, training_starts=False)
+        self._open(self._opened, training_starts=False)
         if n is None and self._run is not None:
             self._run.voice.note("no dataloader length: pass dataloader=... to stepsync.watch() for a forecast")
         self._wrap()
-
-    def _keep(self, run: Run) -> None:
-        self._run, self.report = run, run.report
 
     def _wrap(self) -> None:
         accelerator = self.accelerator
@@ -169,26 +152,16 @@ class LoopWatch(LoopAdapter):
         self._patches.set(accelerator, "clip_grad_norm_", watched_clip)
         for optimizer in getattr(accelerator, "_optimizers", ()):
             self._patches.set(optimizer, "step", self._watched_optimizer_step(optimizer.step), as_method=True)
-        save_state, load_state = getattr(accelerator, "save_state", None), getattr(accelerator, "load_state", None)
-        if save_state is None or load_state is None:
-            return
+        self._call_after(accelerator, "save_state", self._saved)
+        self._call_after(accelerator, "load_state", self._loaded)
 
-        @functools.wraps(save_state)
-        def watched_save_state(output_dir=None, *args, **kwargs):
-            saved = save_state(output_dir, *args, **kwargs)
-            folder = saved if isinstance(saved, str) else output_dir
-            if folder is not None:
-                self._after_save(os.fspath(folder))
-            return saved
+    def _saved(self, saved: Any, output_dir: Any = None, *args: Any, **kwargs: Any) -> None:
+        folder = saved if isinstance(saved, str) else output_dir
+        if folder is not None:
+            self._after_save(os.fspath(folder))
 
-        @functools.wraps(load_state)
-        def watched_load_state(input_dir=None, *args, **kwargs):
-            loaded = load_state(input_dir, *args, **kwargs)
-            self._after_load(None if input_dir is None else os.fspath(input_dir))
-            return loaded
-
-        self._patches.set(accelerator, "save_state", watched_save_state)
-        self._patches.set(accelerator, "load_state", watched_load_state)
+    def _loaded(self, _: Any, input_dir: Any = None, *args: Any, **kwargs: Any) -> None:
+        self._after_load(None if input_dir is None else os.fspath(input_dir))
 
     def _watched_optimizer_step(self, step: Any) -> Any:
         @functools.wraps(step)
@@ -285,10 +258,6 @@ class LoopWatch(LoopAdapter):
         run.saved_checkpoint()
 
     @guarded(steering=False)
-    def _after_load(self, run: Run, folder: Optional[str]) -> None:
-        self._checkpoints.after_load(run, folder, started=self._opened is None)
-
-    @guarded(steering=False)
     def _check_the_clip(self, run: Run, max_norm: Any) -> None:
         self._said_clip = True
         if isinstance(max_norm, (int, float)):
@@ -363,9 +332,10 @@ def watch(accelerator: Any, policy: Union[str, Policy] = Policy.WARN, dataloader
         gradient_accumulation_steps: the G your code gave ``Accelerator(...)``, held against the one in force
             (accelerate takes ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS`` over it, and the DeepSpeed config's value
             over both, with one log line); a difference is a warning naming the fix, a stop under ``raise``.
-        loss_normalisation: how each window's loss is meant to weigh its trained tokens: ``"token_mean"``
-            (default), ``"micro_batch_mean"`` or ``"sequence_mean"`` where that is deliberate; as for
+        loss_normalisation: the rule each window's loss is meant to follow (default ``"token_mean"``), as for
             :class:`stepsync.StepSyncCallback`.
+
+    Raises:
         StepSyncConfigError: (a ``ValueError``) an unknown or refused policy, no DeepSpeed engine yet (call it
             after ``prepare``), or ``sync`` on an engine that cannot be steered.
         ValueError: a bad console.
@@ -385,5 +355,5 @@ def watch(accelerator: Any, policy: Union[str, Policy] = Policy.WARN, dataloader
     if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < 1):
         raise StepSyncConfigError(f"gradient_accumulation_steps={gradient_accumulation_steps!r}: pass the positive "
                                   "int your code gave Accelerator(gradient_accumulation_steps=...), or leave it out")
-    return LoopWatch(accelerator, ACCELERATE_LOOP.parse_policy(policy), dataloader, num_epochs, console,
-                     gradient_accumulation_steps, Normalisation.parse(loss_normalisation))
+    return LoopWatch(accelerator, policy, dataloader, num_epochs, console, gradient_accumulation_steps,
+                     loss_normalisation)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any, Dict, FrozenSet, Optional, Tuple, Union
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple, Union
 
 from .choices import Policy, unsupported
 from .errors import StepSyncConfigError
@@ -42,6 +42,22 @@ COMPUTE_LOSS_FUNC_FIX_OLDER = ("divide the summed token losses by the trained to
                                "'sequence_mean')")
 
 
+# How a framework's users compute a window's loss, as verify measures it: (the loss path, what it is, in words).
+# The path names what the summed token losses are divided by (stepsync.tools.measurement).
+OWN_MEAN = "own mean"
+ITEMS_IN_BATCH = "divided by num_items_in_batch"
+WINDOW_TOKENS_TIMES_G = "window tokens, times G"
+LOOP_LOSS_PATHS = (
+    (OWN_MEAN, "each micro-batch's own mean, as F.cross_entropy gives it (the examples)"),
+    (WINDOW_TOKENS_TIMES_G, "summed and divided by the window's trained tokens, times G (accelerate's "
+                            "gradient_accumulation_for_autoregressive_models example)"))
+TRAINER_LOSS_PATHS = (
+    (ITEMS_IN_BATCH, "a transformers model's loss (the Trainer passes num_items_in_batch and does not divide by G, "
+                     "as transformers 4.47 and later do)"),
+    ("own mean, not divided by G", "a model whose forward takes **kwargs and ignores num_items_in_batch"))
+LIGHTNING_LOSS_PATHS = ((OWN_MEAN, "each micro-batch's own mean, as F.cross_entropy gives it"),)
+
+
 class TrainerRule(_Named):
     """When the Trainer counts an update at micro-batch ``s`` (0-based in the epoch) of ``N``."""
 
@@ -70,6 +86,24 @@ class PlannedSteps(_Named):
 
 
 
+class SavedFolders(_Named):
+    """The checkpoint folders a framework saves, as ``stepsync inspect`` reads them."""
+
+    TRAINER = "trainer"  # checkpoint-N (and Ray Train's): the framework's count is in its trainer_state.json
+    ACCELERATE = "accelerate"  # accelerator.save_state: DeepSpeed's files in the tag its 'latest' names
+    ENGINE = "deepspeed"  # engine.save_checkpoint: the folder is DeepSpeed's tag itself
+
+    @property
+    def count_in_the_record(self) -> bool:
+        """A loop saved it: the loop's count is in stepsync's record only, not in the folder's own files."""
+        return self is not SavedFolders.TRAINER
+
+    @property
+    def is_the_tag(self) -> bool:
+        """The folder is DeepSpeed's tag folder itself (its parent holds 'latest')."""
+        return self is SavedFolders.ENGINE
+
+
 class BackwardCall(str, Enum):
     """How a framework calls the engine's backward (what each micro-batch's weight depends on, as probed)."""
 
@@ -77,6 +111,16 @@ class BackwardCall(str, Enum):
     ACCELERATE = "accelerate"  # the same, inside accelerate's accumulate()
     TRAINER = "trainer"  # engine.backward(loss / G, scale_wrt_gas=False): transformers' Trainer
     LIGHTNING = "lightning"  # engine.backward(loss / G): Lightning's closure divides, and the engine again
+
+    def backward(self, engine: Any, loss: Any, g: int, items_counted: bool = False) -> None:
+        """Hand one micro-batch's ``loss`` to ``engine`` as this framework does (``g``: its G); ``items_counted``:
+        the Trainer passes num_items_in_batch to a model that takes it, and then does not divide by G itself."""
+        if self is BackwardCall.TRAINER:
+            engine.backward(loss if items_counted else loss / g, scale_wrt_gas=False)
+        elif self is BackwardCall.LIGHTNING:
+            engine.backward(loss / g)
+        else:
+            engine.backward(loss)
 
     @property
     def as_probed(self) -> BackwardCall:
@@ -146,9 +190,11 @@ class Framework:
         loss_divisions: how many times a micro-batch's loss is divided by G where its loop fixes that, whatever
             the releases (None: the release table says); ``caveat``: what the forecast cannot know of it.
         loss_fix: how a user of it makes each window's loss a mean over its trained tokens, in a message.
-        checkpoints: the folders ``stepsync inspect`` reads of it: "trainer" (``checkpoint-N``, and Ray Train's),
-            "accelerate" (``accelerator.save_state``'s), "deepspeed" (``engine.save_checkpoint``'s), or "" where it
-            saves none of them.
+        checkpoints: the folders ``stepsync inspect`` reads of it (:class:`SavedFolders`), or None where it saves
+            none that it reads.
+        loss_paths: the ways its users compute a window's loss, each ``(path, words)``, that ``stepsync verify``
+            measures each trained token's weight under (``path`` one of :data:`OWN_MEAN`, :data:`ITEMS_IN_BATCH`,
+            :data:`WINDOW_TOKENS_TIMES_G`, or another name for the micro-batch's own mean).
     """
 
     name: str
@@ -170,11 +216,12 @@ class Framework:
     g_fix: str = 'fix the DeepSpeed config (use "auto")'
     plans_by_forecast: bool = False
     checks_every_micro_batch: bool = False
-    checkpoints: str = ""
+    checkpoints: Optional[SavedFolders] = None
     loss_divisions: Optional[int] = None
     caveat: str = ""
     packages: Tuple[str, ...] = ("transformers", "accelerate", "deepspeed")
     loss_fix: str = LOOP_LOSS_FIX
+    loss_paths: Tuple[Tuple[str, str], ...] = LOOP_LOSS_PATHS
 
     @property
     def releases(self) -> str:
@@ -215,15 +262,16 @@ class Framework:
 TRAINER = Framework(
     name="the Trainer", who="Trainer", counter="Trainer global_step", whose_g="the Trainer's", key="trainer",
     metric_keys=("stepsync/trainer_steps", "stepsync/engine_steps", "stepsync/drift"),
-    backward_call=BackwardCall.TRAINER, ends_epochs_under=frozenset({Policy.DROP_LAST}), checkpoints="trainer",
-    loss_fix=TRAINER_LOSS_FIX)
+    backward_call=BackwardCall.TRAINER, ends_epochs_under=frozenset({Policy.DROP_LAST}),
+    checkpoints=SavedFolders.TRAINER,
+    loss_fix=TRAINER_LOSS_FIX, loss_paths=TRAINER_LOSS_PATHS)
 
 LIGHTNING = Framework(
     name="Lightning", who="Lightning", counter="Lightning global_step",
     whose_g="Lightning's accumulate_grad_batches", key="lightning", backward_call=BackwardCall.LIGHTNING,
     ends_epochs_under=frozenset({Policy.SYNC, Policy.DROP_LAST}),
     g_setting="accumulate_grad_batches", plans_by_forecast=True, checks_every_micro_batch=True,
-    packages=("lightning", "deepspeed"),
+    packages=("lightning", "deepspeed"), loss_paths=LIGHTNING_LOSS_PATHS,
     metric_keys=("stepsync/lightning_steps", "stepsync/engine_steps", "stepsync/drift"),
     refused=(Refusal("follows_the_engine", "cannot apply to Lightning: its global_step is derived from its loop's "
                      "progress counters, which a callback cannot set", (Policy.SYNC, Policy.DROP_LAST)),),
@@ -235,7 +283,7 @@ ACCELERATE_LOOP = Framework(
     name="your loop", who="your loop", counter="loop updates", whose_g="the accelerator's", key="accelerate",
     metric_keys=("stepsync/loop_steps", "stepsync/engine_steps", "stepsync/drift"),
     backward_call=BackwardCall.ACCELERATE, counts_by=TrainerRule.EPOCH_END, plans_by=PlannedSteps.CEIL,
-    checkpoints="accelerate", packages=("accelerate", "deepspeed"),
+    checkpoints=SavedFolders.ACCELERATE, packages=("accelerate", "deepspeed"),
     g_fix="give Accelerator(gradient_accumulation_steps=...) the G your DeepSpeed config or plugin sets (accelerate "
           "before 1.8 does not take it from there), or set it to \"auto\" there",
     refused=(Refusal("follows_the_engine", "cannot change your loop's own counter", (Policy.SYNC,),
@@ -277,16 +325,37 @@ DEEPSPEED_LOOP = Framework(
                      "keep policy 'warn' and adopt watch.report.engine_steps"),
              Refusal("ends_epochs_early", "cannot end your dataloader's epochs early", (Policy.SYNC,),
                      "drop each epoch's partial window in your loop")),
-    packages=("deepspeed",), checkpoints="deepspeed")
+    packages=("deepspeed",), checkpoints=SavedFolders.ENGINE)
 
 FRAMEWORKS = (TRAINER, LIGHTNING, ACCELERATE_LOOP, FABRIC_LOOP, DEEPSPEED_LOOP)
+_REGISTERED: List[Framework] = []  # frameworks described outside stepsync, by register()
+
+
+def register(framework: Framework) -> Framework:
+    """Make a framework described outside stepsync known wherever a framework is named: ``stepsync check
+    --framework KEY`` and ``verify --framework KEY`` in this process, and the folders ``inspect`` reads. Its
+    adapter is built on :class:`stepsync.engine.watch.FrameworkWatch`. Registering it again changes nothing; another
+    framework under a key already taken raises :class:`~stepsync.core.errors.StepSyncConfigError`."""
+    taken = next((known for known in known_frameworks() if known.key == framework.key), None)
+    if taken is framework:
+        return framework
+    if taken is not None:
+        raise StepSyncConfigError(f"a framework is already known as {framework.key!r} ({taken.name}): give "
+                                  f"{framework.name} another key")
+    _REGISTERED.append(framework)
+    return framework
+
+
+def known_frameworks() -> Tuple[Framework, ...]:
+    """stepsync's frameworks, then those registered (:func:`register`)."""
+    return FRAMEWORKS + tuple(_REGISTERED)
 
 
 def framework_called(key: str) -> Framework:
     """The framework whose command-line name is ``key``."""
-    for framework in FRAMEWORKS:
+    for framework in known_frameworks():
         if framework.key == key:
             return framework
-    raise StepSyncConfigError(unsupported("--framework", key, [f.key for f in FRAMEWORKS]))
+    raise StepSyncConfigError(unsupported("--framework", key, [f.key for f in known_frameworks()]))
 SKIPPED_METRIC = "stepsync/updates_skipped"  # beside each framework's metrics, once the engine has skipped one
 NON_FINITE_METRIC = "stepsync/non_finite_at_update"  # the update after which the weights were not finite

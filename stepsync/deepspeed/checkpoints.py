@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional, Tuple
+from typing import Any, Optional
 
 from ..core.plan import RunPlan
-from ..core.record import RECORD_FILE, ResumeRecord, load_record, write_json
 from ..engine.lifecycle import RunStart, start_training
-from ..engine.resume import UnsafeSaves, record_of
+from ..engine.resume import LoopSaves
 from ..engine.run import Run
 
 
@@ -23,40 +22,23 @@ def checkpoint_folder(save_dir: Any, tag: Any, engine: Any) -> str:
     return os.path.join(os.fspath(save_dir), str(tag if tag is not None else f"global_step{engine.global_steps}"))
 
 
-class EngineCheckpoints:
-    """What the engine watch knows of the checkpoints its loop saves and loads.
-
-    Attributes:
-        loaded: the folder ``load_checkpoint`` read before the first micro-batch and its record (None: none read).
-        saves: the saves a resume cannot continue from exactly, said.
-    """
+class EngineCheckpoints(LoopSaves):
+    """What the engine watch knows of the checkpoints its loop saves (``engine.save_checkpoint``) and loads
+    (``load_checkpoint``): the record it keeps in each, the saves a resume cannot continue from, the folder read."""
 
     def __init__(self) -> None:
-        self.loaded: Optional[Tuple[str, Optional[ResumeRecord]]] = None
-        self.saves = UnsafeSaves()
+        super().__init__("load_checkpoint")
 
     def after_save(self, run: Run, folder: str, since_loop_update: int) -> None:
         """Keep the record in the folder (each node's first process), and say a save a resume cannot continue from
         exactly."""
-        if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
-            write_json(os.path.join(folder, RECORD_FILE), record_of(run).to_dict())
+        self.keep_the_record(run, folder, int(os.environ.get("LOCAL_RANK", "0") or 0) == 0)
         self.saves.check(run, folder, since_loop_update, "save after a step() that closes your loop's window")
 
     def after_load(self, run: Run, folder: Optional[str], started: bool) -> None:
-        """``load_checkpoint`` read ``folder`` (None: it found no checkpoint): its record is read for the first
-        micro-batch."""
-        if folder is None:
-            return
-        if started:
-            run.voice.warn(f"load_checkpoint({folder!r}) after training began: the report's counts are not taken "
-                           "again from it")
-            return
-        record = None
-        try:
-            record = load_record(folder)
-        except ValueError as exc:
-            run.voice.error(f"{folder}: stepsync's record is unreadable ({exc}); the report covers this run only")
-        self.loaded = (folder, record)
+        """``load_checkpoint`` read ``folder`` (None: it found no checkpoint, and loaded nothing)."""
+        if folder is not None:
+            super().after_load(run, folder, started)
 
     def start_training(self, run: Run, opened: RunStart, num_epochs: Optional[float]) -> RunStart:
         """The first micro-batch: training starts fresh, or from the checkpoint ``load_checkpoint`` read. Returns
@@ -81,9 +63,7 @@ class EngineCheckpoints:
                                       record=record)
         start_training(run, started, resumed=True, forecast_now=False)
         if record is None:
-            run.voice.note(f"resumed from {name}, saved without stepsync: your loop's count before it is kept nowhere, "
-                           f"so it is taken as the engine's ({engine_steps}); a drift the checkpoint carries cannot be "
-                           "seen, and epochs are numbered from the resume")
+            self.say_saved_without_stepsync(run, name, engine_steps)
         elif not placed:
             run.voice.warn(f"{name} was saved after micro-batch {record.next_skip} of epoch {record.next_epoch + 1}; "
                            "stepsync cannot see where your loop resumes in it, so it counts that epoch from your "

@@ -18,27 +18,25 @@ a zero loss closes it (it adds nothing and reduces every gradient of the window:
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from typing import Any, Optional, Union
 
 from ..core import rules
 from ..core.choices import Policy
-from ..core.errors import StepSyncConfigError, UnsupportedVersion
+from ..core.errors import StepSyncConfigError
 from ..core.events import Cause, LostGradients
 from ..core.frameworks import DEEPSPEED_LOOP
 from ..core.plan import RunPlan
 from ..core.tokens import Normalisation
-from ..core.versions import Stack, behaviour_of
 from ..core.weights import SeveralBackwards, several_backwards
-from ..display.output import ConsoleOutput
 from ..engine.deepspeed import is_engine, zero_loss
 from ..engine.faults import guarded
-from ..engine.lifecycle import RunStart, close_run, idle_report, make_forecast, open_run
-from ..engine.loop_objects import InstancePatches, LoopAdapter, length_of
+from ..engine.lifecycle import RunStart, make_forecast
+from ..engine.loop_objects import length_of
 from ..engine.policies import engine_loop_action_for
 from ..engine.resume import engines_schedule
 from ..engine.run import Run
+from ..engine.watch import UserLoopWatch
 from .checkpoints import EngineCheckpoints, checkpoint_folder
 
 UNSEEN_BACKWARD = ("engine.step() came with no engine.backward() before it: your loop calls backward another way "
@@ -54,7 +52,7 @@ SEVERAL_BACKWARDS_EFFECT = {
 
 
 
-class EngineWatch(LoopAdapter):
+class EngineWatch(UserLoopWatch):
     """Watches one loop that drives DeepSpeed's engine itself; made by :func:`watch`. A context manager, or call
     :meth:`close` after the loop: that gives ``backward``, ``step`` and the engine's boundary back.
 
@@ -68,16 +66,13 @@ class EngineWatch(LoopAdapter):
         loop_steps: that count, live.
     """
 
-    def __init__(self, engine: Any, policy: Policy, dataloader: Any, num_epochs: Optional[float],
-                 console: Any, loss_normalisation: Normalisation = Normalisation.TOKEN_MEAN) -> None:
-        self.engine, self.policy = engine, policy
-        self.loss_normalisation = loss_normalisation
-        self.output = ConsoleOutput(console)
-        self.report = idle_report(DEEPSPEED_LOOP, policy)
-        self.loop_steps = 0
-        self._run: Optional[Run] = None
-        self._patches = InstancePatches()
-        self._opened: Optional[RunStart] = None  # what the run opened from, until the first micro-batch
+    framework = DEEPSPEED_LOOP
+    _checkpoints: EngineCheckpoints
+
+    def __init__(self, engine: Any, policy: Union[str, Policy], dataloader: Any, num_epochs: Optional[float],
+                 console: Any, loss_normalisation: Union[str, Normalisation] = Normalisation.TOKEN_MEAN) -> None:
+        self._watch(policy, console, loss_normalisation)
+        self.engine = engine
         self._started: Optional[RunStart] = None  # what training started from, until the loop's first step()
         self._num_epochs = num_epochs
         self._checkpoints = EngineCheckpoints()
@@ -99,22 +94,14 @@ class EngineWatch(LoopAdapter):
         self._quick_steps = False  # a step() after one backward() needs only the count (nothing to check or close)
         self._start(dataloader, num_epochs)
 
-    @property
-    def run(self) -> Optional[Run]:
-        """The run being watched; None before, and once stepsync switched itself off."""
-        return self._run
-
     def _start(self, dataloader: Any, num_epochs: Optional[float]) -> None:
         engine = self.engine
         if not is_engine(engine):
             raise StepSyncConfigError(f"stepsync.watch() was given {type(engine).__name__}, not a DeepSpeed engine: "
                                       "pass the engine deepspeed.initialize(...) returned, or the accelerate "
                                       "Accelerator after accelerator.prepare(...)")
-        try:
-            behaviour = DEEPSPEED_LOOP.applied_to(behaviour_of(Stack.installed(DEEPSPEED_LOOP.packages)))
-        except UnsupportedVersion as exc:
-            self.report = idle_report(DEEPSPEED_LOOP, self.policy, f"{exc}; stepsync cannot check this run",
-                                      logging.WARNING)
+        behaviour = self._installed()
+        if behaviour is None:
             return
         g = engine.gradient_accumulation_steps()
         n = length_of(dataloader)
@@ -124,7 +111,7 @@ class EngineWatch(LoopAdapter):
                                 is_main=int(getattr(engine, "global_rank", 0) or 0) == 0, trainer_steps=start,
                                 plan=plan, action=engine_loop_action_for(self.policy),
                                 loss_normalisation=self.loss_normalisation, schedules=engines_schedule(engine))
-        run, _ = open_run(self._opened, self._keep, training_starts=False)
+        run = self._open(self._opened, training_starts=False)
         self.loop_steps = start
         self._closes_at_backward = run.facts.reduces_at_backward
         several = several_backwards(behaviour.stack.deepspeed)
@@ -140,17 +127,10 @@ class EngineWatch(LoopAdapter):
                            "and for a forecast")
         self._wrap()
 
-    def _keep(self, run: Run) -> None:
-        self._run, self.report = run, run.report
-
     def _wrap(self) -> None:
         engine = self.engine
         backward, step = engine.backward, engine.step
-
-        @functools.wraps(backward)
-        def watched_backward(loss, *args, **kwargs):
-            self._before_backward()
-            return backward(loss, *args, **kwargs)
+        self._call_before(engine, "backward", self._before_backward)
 
         @functools.wraps(step)
         def watched_step(*args, **kwargs):
@@ -162,27 +142,16 @@ class EngineWatch(LoopAdapter):
             self._after_step()
             return result
 
-        self._patches.set(engine, "backward", watched_backward)
         self._patches.set(engine, "step", watched_step)
-        save, load = getattr(engine, "save_checkpoint", None), getattr(engine, "load_checkpoint", None)
-        if save is None or load is None:
-            return
+        self._call_after(engine, "save_checkpoint", self._saved)
+        self._call_after(engine, "load_checkpoint", self._loaded)
 
-        @functools.wraps(save)
-        def watched_save(save_dir, tag=None, *args, **kwargs):
-            saved = save(save_dir, tag, *args, **kwargs)
-            self._after_save(checkpoint_folder(save_dir, tag, engine))
-            return saved
+    def _saved(self, _: Any, save_dir: Any, tag: Any = None, *args: Any, **kwargs: Any) -> None:
+        self._after_save(checkpoint_folder(save_dir, tag, self.engine))
 
-        @functools.wraps(load)
-        def watched_load(load_dir, *args, **kwargs):
-            loaded = load(load_dir, *args, **kwargs)
-            path = loaded[0] if isinstance(loaded, tuple) and loaded else None  # the model states' file, or None
-            self._after_load(None if path is None else os.path.dirname(os.fspath(path)))
-            return loaded
-
-        self._patches.set(engine, "save_checkpoint", watched_save)
-        self._patches.set(engine, "load_checkpoint", watched_load)
+    def _loaded(self, loaded: Any, *args: Any, **kwargs: Any) -> None:
+        path = loaded[0] if isinstance(loaded, tuple) and loaded else None  # the model states' file, or None
+        self._after_load(None if path is None else os.path.dirname(os.fspath(path)))
 
     # ------------------------------------------------------------ every micro-batch
 
@@ -250,7 +219,7 @@ class EngineWatch(LoopAdapter):
         opened, self._started = self._started, None
         assert opened is not None
         self._per_micro_batch = k <= 1
-        g = run.facts.gradient_accumulation_steps or run.g
+        g = run.g_in_force
         if k > 1 and g > 1 and run.facts.managed_accumulation:
             run.known_cause = Cause.BACKWARDS_PER_STEP
             run.remedy = "set gradient_accumulation_steps to 1 in the DeepSpeed config"
@@ -297,18 +266,10 @@ class EngineWatch(LoopAdapter):
         self._checkpoints.after_save(run, folder, self._since_loop_update)
         run.saved_checkpoint()
 
-    @guarded(steering=False)
-    def _after_load(self, run: Run, folder: Optional[str]) -> None:
-        self._checkpoints.after_load(run, folder, started=self._opened is None)
-
     # ------------------------------------------------------------ end
 
-    @guarded(steering=True, needs_run=False)
-    def _close(self) -> None:
-        run = self._run
-        if run is not None:
-            self._loop_ends(run, self._pending)
-        close_run(self.report, run, self.loop_steps)
+    def _unreported(self) -> bool:
+        return self._pending
 
 
 def watch(engine: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any = None,
@@ -326,8 +287,7 @@ def watch(engine: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any
             and makes the forecast).
         num_epochs: the epochs the loop runs, for the forecast.
         console: as for :class:`stepsync.StepSyncCallback`.
-        loss_normalisation: how each window's loss is meant to weigh its trained tokens: ``"token_mean"``
-            (default), ``"micro_batch_mean"`` or ``"sequence_mean"`` where that is deliberate; as for
+        loss_normalisation: the rule each window's loss is meant to follow (default ``"token_mean"``), as for
             :class:`stepsync.StepSyncCallback`.
 
     Raises:
@@ -343,5 +303,4 @@ def watch(engine: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any
                     engine.step()
         print(sync.report)
     """
-    return EngineWatch(engine, DEEPSPEED_LOOP.parse_policy(policy), dataloader, num_epochs, console,
-                       Normalisation.parse(loss_normalisation))
+    return EngineWatch(engine, policy, dataloader, num_epochs, console, loss_normalisation)

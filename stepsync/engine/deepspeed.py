@@ -91,6 +91,9 @@ class EngineFacts:
     accumulation: Accumulation = field(default_factory=Accumulation)
     deepspeed: bool = True
 
+    def g_in_force(self, framework_g: int) -> int:
+        """The micro-batches per update the engine applies: its own G, else the framework's (``framework_g``)."""
+        return self.gradient_accumulation_steps or framework_g
 
     @property
     def reduces_at_backward(self) -> bool:

@@ -134,7 +134,7 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None,
         run.voice.error(f"{start.record_problem}; the report covers this run only")
     _say_the_shift(run, start.shift)
     say_the_clip(run, start.asked_clip, start.clip_fix, "before the first micro-batch")
-    in_force = run.facts.gradient_accumulation_steps or run.g
+    in_force = run.g_in_force
     _say_the_weight_faults(run, start.behaviour.stack, in_force, start.framework.backward_call)
     for fault in start.client_faults:
         run.report.weight_faults.append(fault)

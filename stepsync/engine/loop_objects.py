@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import Any, Callable, List, Optional, Tuple, TypeVar
-
-from ..core.report import SyncReport
-from .faults import Adapter
-from .run import Run
-
-Watch = TypeVar("Watch", bound="LoopAdapter")
+from typing import Any, Callable, List, Optional, Tuple
 
 
 def length_of(loader: Any) -> Optional[int]:
@@ -52,47 +46,3 @@ class InstancePatches:
             else:
                 setattr(owner, name, original)
         self._saved = []
-
-
-class LoopAdapter(Adapter):
-    """What both loop watches share: the loop's methods they wrap, all given back at :meth:`close`, which ends the
-    run once; a context manager that closes on exit."""
-
-    _patches: InstancePatches
-    loop_steps: int
-
-    def _micro_batch_begins(self, run: Run, last_unreported: bool) -> None:
-        """A loop whose updates come after its backward() calls, its epochs told apart by the dataloader's length:
-        the last micro-batch is counted where no update followed it, and an epoch begins where none is open or the
-        open one is full."""
-        if last_unreported:
-            run.after_micro_batch(False, self.loop_steps)
-        if run.epoch < run.start_epoch:  # none open yet (a resumed run starts at its record's epoch)
-            run.begin_epoch()
-        elif run.n is not None and run.position >= run.n:
-            run.end_epoch(self.loop_steps)
-            run.begin_epoch()
-
-    def _loop_ends(self, run: Run, last_unreported: bool) -> None:
-        """The loop ended: its last micro-batch counted where no update followed it, and a full epoch ended."""
-        if last_unreported:
-            run.after_micro_batch(False, self.loop_steps)
-        if run.n is not None and run.position >= run.n:
-            run.end_epoch(self.loop_steps)
-
-    def close(self) -> SyncReport:
-        """Give the wrapped methods and the engine's boundary back; the report is final. Closing twice changes
-        nothing."""
-        self._patches.restore()
-        if not self.report.finished:
-            self._close()
-        return self.report
-
-    def _close(self) -> None:
-        """End the run (the adapter's last micro-batch, epoch and report)."""
-
-    def __enter__(self: Watch) -> Watch:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

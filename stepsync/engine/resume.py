@@ -7,7 +7,7 @@ from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
 from ..core.errors import UnsafeCheckpointError
 from ..core.plan import resume_steps_for
-from ..core.record import ResumeRecord
+from ..core.record import RECORD_FILE, ResumeRecord, load_record, write_json
 from .run import Run
 
 
@@ -85,6 +85,49 @@ class UnsafeSaves:
         else:
             self.said = True
             run.voice.warn(text + " (later saves like it are counted in the report)")
+
+class LoopSaves:
+    """What a loop watch knows of the checkpoints its loop saves and loads: the record it keeps in each, the saves a
+    resume cannot continue from (:class:`UnsafeSaves`), and the folder read before the first micro-batch.
+
+    Attributes:
+        load_call: the loop's load, as messages name it (``"load_state"``).
+        loaded: the folder read before the first micro-batch and its record (None: none read).
+        saves: the saves a resume cannot continue from exactly, said.
+    """
+
+    def __init__(self, load_call: str) -> None:
+        self.load_call = load_call
+        self.loaded: Optional[Tuple[str, Optional[ResumeRecord]]] = None
+        self.saves = UnsafeSaves()
+
+    @staticmethod
+    def keep_the_record(run: Run, folder: str, writes: bool) -> None:
+        """The record in the folder, where this process ``writes`` (each node's first: a node saving into a folder
+        of its own keeps it too, the same one)."""
+        if writes:
+            write_json(os.path.join(folder, RECORD_FILE), record_of(run).to_dict())
+
+    def after_load(self, run: Run, folder: Optional[str], started: bool) -> None:
+        """The loop's load read ``folder`` (None: which one is not known): its record is read for the first
+        micro-batch; after training began, the report's counts are not taken from it."""
+        if started:
+            run.voice.warn(f"{self.load_call}({folder!r}) after training began: the report's counts are not taken "
+                           "again from it")
+            return
+        record = None
+        if folder is not None:
+            try:
+                record = load_record(folder)
+            except ValueError as exc:
+                run.voice.error(f"{folder}: stepsync's record is unreadable ({exc}); the report covers this run only")
+        self.loaded = (folder or "the newest checkpoint", record)
+
+    @staticmethod
+    def say_saved_without_stepsync(run: Run, name: str, engine_steps: int) -> None:
+        run.voice.note(f"resumed from {name}, saved without stepsync: your loop's count before it is not kept there, "
+                       f"so it is taken as the engine's ({engine_steps}); a drift the checkpoint carries cannot be "
+                       "seen, and epochs are numbered from the resume")
 
 
 class Schedule(NamedTuple):

@@ -242,6 +242,11 @@ class Run:
         (self.voice.error if error else self.voice.warn)(text)
 
     @property
+    def g_in_force(self) -> int:
+        """The micro-batches per update the engine applies: its own G, else the framework's."""
+        return self.facts.g_in_force(self.g)
+
+    @property
     def updates_counted(self) -> str:
         """What the second count counts, in an event's words: the engine's updates, or the optimizer's steps."""
         return "DeepSpeed engine global_steps" if self.facts.deepspeed else "optimizer steps"

@@ -8,23 +8,22 @@ from typing import Any, Optional, Union
 from lightning.pytorch import Callback
 
 from ..core.choices import Policy
-from ..core.errors import StepSyncConfigError, UnsupportedVersion
+from ..core.errors import StepSyncConfigError
 from ..core.frameworks import LIGHTNING
-from ..core.lightning_versions import LightningStack, lightning_behaviour_of
 from ..core.plan import RunPlan
 from ..core.record import ResumeRecord
 from ..core.relayout import position, replayed_epoch_shift
 from ..core.tokens import Normalisation
-from ..display.output import ConsoleOutput
-from ..engine.faults import Adapter, guarded
-from ..engine.lifecycle import RunStart, close_run, idle_report, open_run
+from ..engine.faults import guarded
+from ..engine.lifecycle import RunStart, close_run
 from ..engine.policies import WatchOnly, action_for, last_whole_window
 from ..engine.resume import record_of
 from ..engine.run import Run
+from ..engine.watch import FrameworkWatch
 from . import lightning as lightning_facts
 
 
-class StepSyncCallback(Callback, Adapter):
+class StepSyncCallback(Callback, FrameworkWatch):
     """Keeps Lightning's ``global_step`` and the DeepSpeed engine's ``global_steps`` in agreement, and says what each
     update really trained.
 
@@ -41,8 +40,7 @@ class StepSyncCallback(Callback, Adapter):
             leftover micro-batches not trained) or ``"drop_last"`` (an epoch's leftover micro-batches not
             trained: no compute spent on them). ``"realign"`` is refused: Lightning's count cannot be set.
         console: a ``rich.console.Console``, ``None`` for one on stderr, or ``False`` for none.
-        loss_normalisation: how each window's loss is meant to weigh its trained tokens: ``"token_mean"``
-            (default), ``"micro_batch_mean"`` or ``"sequence_mean"`` where that is deliberate; as for
+        loss_normalisation: the rule each window's loss is meant to follow (default ``"token_mean"``), as for
             :class:`stepsync.StepSyncCallback`.
 
     Raises:
@@ -59,13 +57,11 @@ class StepSyncCallback(Callback, Adapter):
         trainer.fit(model, train_dataloader)
     """
 
+    framework = LIGHTNING
+
     def __init__(self, policy: Union[str, Policy] = Policy.WARN, console: Any = None,
                  loss_normalisation: Union[str, Normalisation] = Normalisation.TOKEN_MEAN) -> None:
-        self.policy = LIGHTNING.parse_policy(policy)
-        self.loss_normalisation = Normalisation.parse(loss_normalisation)
-        self.output = ConsoleOutput(console)
-        self.report = idle_report(LIGHTNING, self.policy)
-        self._run: Optional[Run] = None
+        self._watch(policy, console, loss_normalisation)
         self._saved: Optional[dict] = None
         self._trainer: Any = None
         self._batches = 0  # micro-batches per epoch that Lightning runs (whole windows under sync and drop_last)
@@ -89,18 +85,14 @@ class StepSyncCallback(Callback, Adapter):
     @guarded(steering=True, needs_run=False)
     def on_train_start(self, trainer, pl_module) -> None:
         self._run, self._start, self._trainer = None, None, trainer
-        self.report = idle_report(LIGHTNING, self.policy)
+        self._idle()
         engine = lightning_facts.deepspeed_engine(trainer)
         if engine is None:
-            self.report = idle_report(LIGHTNING, self.policy, "nothing to watch: the Lightning "
-                                      "Trainer does not use DeepSpeed (strategy='deepspeed_stage_N')", logging.WARNING,
-                                      speaks=trainer.is_global_zero)
+            self._idle("nothing to watch: the Lightning Trainer does not use DeepSpeed (strategy='deepspeed_stage_N')",
+                       logging.WARNING, trainer.is_global_zero)
             return
-        try:
-            behaviour = lightning_behaviour_of(LightningStack.installed())
-        except UnsupportedVersion as exc:
-            self.report = idle_report(LIGHTNING, self.policy, f"{exc}; stepsync cannot check this run",
-                                      speaks=trainer.is_global_zero)
+        behaviour = self._installed(trainer.is_global_zero)
+        if behaviour is None:
             return
         n, g = lightning_facts.batches_per_epoch(trainer), int(trainer.accumulate_grad_batches)
         if self.policy.steers_the_boundary and n is None:
@@ -138,16 +130,16 @@ class StepSyncCallback(Callback, Adapter):
             stood = position(record.layout, record.next_epoch, record.next_skip)
             shift = replayed_epoch_shift(record.layout, layout, stood, epoch, batch_idx, self._batches or n,
                                          trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None)
-        open_run(RunStart(LIGHTNING, self.policy, engine, behaviour, self._batches or n, g, self.output,
-                          is_main=trainer.is_global_zero, trainer_steps=trainer.global_step,
-                          plan=plan, start_epoch=epoch, skip=batch_idx, action=action,
-                          record=record, layout=layout, shift=None if shift is None or shift.exact else shift,
-                          asked_clip=lightning_facts.asked_clip(trainer), clip_fix=lightning_facts.CLIP_FIX,
-                          loss_normalisation=self.loss_normalisation),
-                 self._keep)
+        self._open(RunStart(LIGHTNING, self.policy, engine, behaviour, self._batches or n, g, self.output,
+                            is_main=trainer.is_global_zero, trainer_steps=trainer.global_step,
+                            plan=plan, start_epoch=epoch, skip=batch_idx, action=action,
+                            record=record, layout=layout, shift=None if shift is None or shift.exact else shift,
+                            asked_clip=lightning_facts.asked_clip(trainer), clip_fix=lightning_facts.CLIP_FIX,
+                            loss_normalisation=self.loss_normalisation))
 
     def _keep(self, run: Run) -> None:
-        self._run, self.report, self._epoch_open = run, run.report, False
+        super()._keep(run)
+        self._epoch_open = False
         if self.policy.steers_the_boundary and run.facts.can_override_boundary:
             self._train_batch_size = lightning_facts.scale_the_loss_once(run.engine)
 

@@ -21,17 +21,17 @@ import logging
 from typing import Any, Optional, Union
 
 from ..core.choices import Policy
-from ..core.errors import StepSyncConfigError, UnsupportedVersion
+from ..core.errors import StepSyncConfigError
 from ..core.events import Cause
 from ..core.frameworks import FABRIC_LOOP
-from ..core.lightning_versions import FabricZero12, LightningStack, fabric_zero12, lightning_behaviour_of
+from ..core.lightning_versions import FabricZero12, fabric_zero12
 from ..core.tokens import Normalisation
-from ..display.output import ConsoleOutput
 from ..engine.faults import guarded
-from ..engine.lifecycle import RunStart, close_run, idle_report, open_run
-from ..engine.loop_objects import InstancePatches, LoopAdapter, length_of
+from ..engine.lifecycle import RunStart
+from ..engine.loop_objects import length_of
 from ..engine.policies import loop_action_for
 from ..engine.run import Run
+from ..engine.watch import UserLoopWatch
 from . import lightning as lightning_facts
 
 NEVER_STEPPED = ("Fabric's optimizer.step() steps DeepSpeed's optimizer directly and never calls engine.step(): the "
@@ -46,69 +46,57 @@ FAILS = ("with gradient_accumulation_steps={gas} in the DeepSpeed config, ZeRO-{
          "gradient_accumulation_steps to 1 in the config and accumulate in your loop (use policy='sync')")
 
 
-class FabricWatch(LoopAdapter):
+class FabricWatch(UserLoopWatch):
     """Watches one Fabric loop on DeepSpeed; made by :func:`watch`. A context manager, or call :meth:`close`.
 
     A failure inside stepsync never reaches your loop (it is logged once, and a failure of its steering gives
     DeepSpeed and ``optimizer.step()`` their own behaviour back), except under ``policy="raise"``."""
 
-    def __init__(self, fabric: Any, model: Any, optimizer: Any, policy: Policy, dataloader: Any, console: Any,
-                 loss_normalisation: Normalisation = Normalisation.TOKEN_MEAN):
-        self.fabric, self.optimizer, self.policy = fabric, optimizer, policy
-        self.loss_normalisation = loss_normalisation
-        self.output = ConsoleOutput(console)
-        self.report = idle_report(FABRIC_LOOP, policy)
-        self.loop_steps = 0
-        self._run: Optional[Run] = None
+    framework = FABRIC_LOOP
+
+    def __init__(self, fabric: Any, model: Any, optimizer: Any, policy: Union[str, Policy], dataloader: Any,
+                 console: Any, loss_normalisation: Union[str, Normalisation] = Normalisation.TOKEN_MEAN):
+        self._watch(policy, console, loss_normalisation)
+        self.fabric, self.optimizer = fabric, optimizer
         self._ends_window: Optional[bool] = None  # what the loop's last no_backward_sync said of this micro-batch
         self._reported_micro_batch = True  # the last backward's micro-batch is in the run's count
-        self._patches = InstancePatches()
         engine = lightning_facts.fabric_engine(fabric, model)
         if engine is None:
-            self.report = idle_report(FABRIC_LOOP, policy, "nothing to watch: this Fabric does "
-                                      "not use DeepSpeed (strategy='deepspeed' or a DeepSpeedStrategy)",
-                                      logging.WARNING)
+            self._idle("nothing to watch: this Fabric does not use DeepSpeed (strategy='deepspeed' or a "
+                       "DeepSpeedStrategy)", logging.WARNING)
             return
         self._start(engine, dataloader)
 
     def _start(self, engine: Any, dataloader: Any) -> None:
         stage = lightning_facts.zero_stage(self.fabric.strategy) or 0
         gas = engine.gradient_accumulation_steps()
-        stack = LightningStack.installed()
-        try:
-            behaviour = FABRIC_LOOP.applied_to(lightning_behaviour_of(stack))
-        except UnsupportedVersion as exc:
-            self.report = idle_report(FABRIC_LOOP, self.policy, f"{exc}; stepsync cannot check this run",
-                                      logging.WARNING)
+        behaviour = self._installed()
+        if behaviour is None:
             return
-        zero12 = fabric_zero12(stack.deepspeed) if stage in (1, 2) else None
+        deepspeed = behaviour.stack.deepspeed
+        zero12 = fabric_zero12(deepspeed) if stage in (1, 2) else None
         warning = None
         if zero12 in (FabricZero12.FAILS, FabricZero12.KEEPS_THE_LAST) and (gas > 1 or zero12 is FabricZero12.FAILS):
-            warning = FAILS.format(gas=gas, stage=stage, deepspeed=stack.deepspeed)
+            warning = FAILS.format(gas=gas, stage=stage, deepspeed=deepspeed)
             if self.policy.interferes or self.policy.stops:
                 raise StepSyncConfigError(warning)
         elif zero12 is FabricZero12.KEEPS_THE_LAST and not self.policy.steers_the_boundary:
             warning = LOSES_GRADIENTS.format(stage=stage)
-        run, _ = open_run(RunStart(FABRIC_LOOP, self.policy, engine, behaviour, length_of(dataloader), gas,
-                                   self.output, is_main=bool(getattr(self.fabric, "is_global_zero", True)),
-                                   action=loop_action_for(self.policy),
-                                   loss_normalisation=self.loss_normalisation), self._keep)
+        run = self._open(RunStart(FABRIC_LOOP, self.policy, engine, behaviour, length_of(dataloader), gas,
+                                  self.output, is_main=bool(getattr(self.fabric, "is_global_zero", True)),
+                                  action=loop_action_for(self.policy), loss_normalisation=self.loss_normalisation))
         if warning:
             run.voice.warn(warning)
         self._wrap()
 
     def _keep(self, run: Run) -> None:
-        self._run, self.report = run, run.report
+        super()._keep(run)
         run.known_cause = Cause.ENGINE_NOT_STEPPED
 
     def _wrap(self) -> None:
         fabric, optimizer = self.fabric, self.optimizer
-        backward, no_backward_sync, step = fabric.backward, fabric.no_backward_sync, optimizer.step
-
-        @functools.wraps(backward)
-        def watched_backward(tensor, *args, **kwargs):
-            self._before_backward()
-            return backward(tensor, *args, **kwargs)
+        no_backward_sync, step = fabric.no_backward_sync, optimizer.step
+        self._call_before(fabric, "backward", self._before_backward)
 
         @contextlib.contextmanager
         def watched_no_backward_sync(module, enabled: bool = True):
@@ -124,7 +112,6 @@ class FabricWatch(LoopAdapter):
             self._after_step()
             return result
 
-        self._patches.set(fabric, "backward", watched_backward)
         self._patches.set(fabric, "no_backward_sync", watched_no_backward_sync)
         self._patches.set(optimizer, "step", watched_step)
 
@@ -146,12 +133,8 @@ class FabricWatch(LoopAdapter):
         if self.loop_steps == 1 and run.engine.global_steps == 0:
             run.voice.warn(NEVER_STEPPED.format(engine=0, loop=1))
 
-    @guarded(steering=True, needs_run=False)
-    def _close(self) -> None:
-        run = self._run
-        if run is not None:
-            self._loop_ends(run, not self._reported_micro_batch)
-        close_run(self.report, run, self.loop_steps)
+    def _unreported(self) -> bool:
+        return not self._reported_micro_batch
 
 
 def watch(fabric: Any, model: Any, optimizer: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any = None,
@@ -166,8 +149,7 @@ def watch(fabric: Any, model: Any, optimizer: Any, policy: Union[str, Policy] = 
             ``fabric.no_backward_sync(model, enabled=True)`` marks). ``"realign"`` and ``"drop_last"`` are refused.
         dataloader: the training dataloader (its length tells the epochs apart).
         console: as for :class:`stepsync.StepSyncCallback`.
-        loss_normalisation: how each window's loss is meant to weigh its trained tokens: ``"token_mean"``
-            (default), ``"micro_batch_mean"`` or ``"sequence_mean"`` where that is deliberate; as for
+        loss_normalisation: the rule each window's loss is meant to follow (default ``"token_mean"``), as for
             :class:`stepsync.StepSyncCallback`.
 
     Example::
@@ -181,5 +163,4 @@ def watch(fabric: Any, model: Any, optimizer: Any, policy: Union[str, Policy] = 
                     optimizer.step(); optimizer.zero_grad()
         print(sync.report)
     """
-    return FabricWatch(fabric, model, optimizer, FABRIC_LOOP.parse_policy(policy), dataloader, console,
-                       Normalisation.parse(loss_normalisation))
+    return FabricWatch(fabric, model, optimizer, policy, dataloader, console, loss_normalisation)

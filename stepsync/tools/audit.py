@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 
 from ..core import record as checkpoint
 from ..core.errors import AuditInputError
-from ..core.frameworks import FRAMEWORKS, Framework
+from ..core.frameworks import Framework, known_frameworks
 from ..core.record import ResumeRecord, rng_state_ranks
 from ..core.relayout import places_by_name
 from .archives import archive_problem, int_in_pickle
@@ -204,7 +204,7 @@ def audit_output_dir(path: str, verify_data: bool = True, framework: Optional[Fr
     (which reads every byte of the checkpoint). ``framework``: the one that saved them (default: told by the
     folders); a folder another framework saved is refused, naming it."""
     if framework is not None and not framework.checkpoints:
-        readable = [f.key for f in FRAMEWORKS if f.checkpoints]
+        readable = [f.key for f in known_frameworks() if f.checkpoints]
         keys = ", ".join(readable[:-1]) + f" and {readable[-1]}" if len(readable) > 1 else readable[0]
         raise AuditInputError(f"stepsync inspect reads the checkpoints of --framework {keys}; {framework.name} "
                               f"saves none of them (--framework {framework.key}): pass a folder one of those saved")
@@ -219,7 +219,7 @@ def audit_output_dir(path: str, verify_data: bool = True, framework: Optional[Fr
                               f"accelerator.save_state or engine.save_checkpoint folders) in {path!r}: "
                               "pass the output_dir of a Trainer run that saved, or Ray Train's <storage_path>/<name>")
     if framework is not None:
-        saved_by = {item.name: next(f for f in FRAMEWORKS if f.checkpoints == item.saved_by) for item in found}
+        saved_by = {item.name: next(f for f in known_frameworks() if f.checkpoints == item.saved_by) for item in found}
         other = sorted(name for name, by in saved_by.items() if by.checkpoints != framework.checkpoints)
         if other:
             by = saved_by[other[0]]
@@ -276,7 +276,7 @@ def _audit_loop(located: Located, verify_data: bool) -> CheckpointAudit:
     record = audit.record
     if record is not None:
         audit.trainer_step = record.trainer_steps
-    by_the_engine = located.saved_by == "deepspeed"
+    by_the_engine = located.saved_by.is_the_tag
     if by_the_engine:  # the folder is DeepSpeed's tag itself (its save_dir holds 'latest')
         audit.deepspeed_tag = name
     else:

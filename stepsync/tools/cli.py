@@ -16,14 +16,14 @@ from .._version import __version__
 from ..core.choices import Policy
 from ..core.errors import ConfigInputError, StepSyncError
 from ..core.forecast import forecast
-from ..core.frameworks import FRAMEWORKS, LIGHTNING, TRAINER, framework_called
+from ..core.frameworks import DEEPSPEED_LOOP, LIGHTNING, TRAINER, framework_called, known_frameworks
 from ..core.install import install_hint, training_install_hint
-from ..core.lightning_versions import LightningStack, lightning_behaviour_of
 from ..core.plan import RunPlan
 from ..core.record import TRAINER_STATE, load_record, read_json
 from ..core.relayout import Layout
+from ..core.releases import behaviour_at
 from ..core.tokens import trl_generation_scale
-from ..core.versions import Stack, assumed_release, behaviour_of, installed_version
+from ..core.versions import assumed_release, installed_version
 from ..display.render import audit_view, forecast_view, print_view
 from ..engine.deepspeed import op_builds_of
 from .arguments import policy_name, positive_epochs, positive_int
@@ -36,7 +36,7 @@ from .config import (
 )
 from .demo import run_demo
 from .resume_audit import planned_here, resume_on
-from .verify import FRAMEWORK_CALLS, measuring_config, verify_command
+from .verify import measuring_config, verify_command
 
 EXIT_ALIGNED, EXIT_DRIFTS, EXIT_BAD_INPUT, EXIT_BUG, EXIT_INTERRUPTED = 0, 1, 2, 3, 130  # 130: Ctrl-C (SIGINT)
 POLICIES = ", ".join(p.value for p in Policy)
@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="DeepSpeed's JSON ('auto' resolved as the Trainer does)")
     for package in ("transformers", "accelerate", "deepspeed"):
         check.add_argument(f"--{package}", default=None, help=f"{package} version (default: installed, else newest)")
-    check.add_argument("--framework", choices=[framework.key for framework in FRAMEWORKS], default=TRAINER.key,
+    check.add_argument("--framework", choices=[framework.key for framework in known_frameworks()], default=TRAINER.key,
                        help="who counts the updates: transformers' Trainer (default), PyTorch Lightning, an "
                             "accelerate loop (accumulate()), or a Fabric loop (no_backward_sync)")
     check.add_argument("--lightning", default=None, help="lightning version (default: installed, else the newest "
@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("output_dir", help="the Trainer's output_dir (every checkpoint in it), or one checkpoint-N "
                                             "folder (that checkpoint only)")
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
-    inspect.add_argument("--framework", choices=[framework.key for framework in FRAMEWORKS], default=None,
+    inspect.add_argument("--framework", choices=[framework.key for framework in known_frameworks()], default=None,
                          help="the framework that saved the checkpoints (default: told by the folders): trainer "
                               "(checkpoint-N) or accelerate (accelerator.save_state); a folder the other saved is "
                               "refused")
@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "DeepSpeed config it names, and the 'auto' values the Trainer fills from it")
     verify.add_argument("--gas", type=positive_int,
                         help="gradient_accumulation_steps (default: the --training-args', else the config's own)")
-    verify.add_argument("--framework", choices=tuple(FRAMEWORK_CALLS), default=None,
+    verify.add_argument("--framework", choices=[framework.key for framework in known_frameworks()], default=None,
                         help="call backward as this framework does (default: the Trainer with --training-args, "
                              "else a plain DeepSpeed loop)")
     verify.add_argument("--world-size", type=positive_int, default=1,
@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--samples", type=positive_int, default=3, help="micro-batches per epoch (default 3)")
     demo.add_argument("--gas", type=positive_int, default=2, help="gradient_accumulation_steps (default 2)")
     demo.add_argument("--epochs", type=positive_int, default=2, help="epochs (default 2)")
-    demo.add_argument("--framework", choices=("trainer", "lightning"), default="trainer",
+    demo.add_argument("--framework", choices=tuple(DEMOS), default="trainer",
                       help="the Trainer (default) or PyTorch Lightning (warn, then sync; its own process)")
     return parser
 
@@ -198,15 +198,15 @@ def build_parser() -> argparse.ArgumentParser:
 def run_check(args) -> int:
     framework = framework_called(args.framework)
     framework.parse_policy(args.policy, as_flag=True)
-    if args.lightning and framework.releases != "lightning":
+    if args.lightning and "lightning" not in framework.packages:
         raise ConfigInputError(f"--lightning {args.lightning} describes a Lightning run: add --framework lightning "
                                "(or fabric)")
     flags = {"samples": args.samples, "micro_batches": args.micro_batches, "batch_size": args.batch_size,
              "world_size": args.world_size, "gas": args.gas, "epochs": args.epochs, "max_steps": args.max_steps,
              "drop_last": args.drop_last}
     assumed: List[str] = []
-    versions = versions_for({p: getattr(args, p) for p in ("transformers", "accelerate", "deepspeed")}, assumed,
-                            framework.packages)
+    versions = versions_for({p: getattr(args, p) for p in ("transformers", "accelerate", "deepspeed", "lightning")},
+                            assumed, framework.packages)
     files = read_files(args.training_args, args.deepspeed_config, flags, versions["transformers"])
     deepspeed = files.deepspeed
     inputs = resolve(flags, files.training, files.agreeing)
@@ -228,12 +228,7 @@ def run_check(args) -> int:
         certain = certain or bool(scaled)
     stage = args.zero_stage if args.zero_stage is not None else ((deepspeed or {}).get("zero_optimization") or {}).get(
         "stage")
-    if framework.releases == "lightning":
-        behaviour = lightning_behaviour_of(LightningStack(args.lightning or LightningStack.installed().lightning,
-                                                          versions["deepspeed"]))
-    else:
-        behaviour = behaviour_of(Stack(**versions))
-    behaviour = framework.applied_to(behaviour)
+    behaviour = behaviour_at(framework, versions)
     plan = RunPlan(inputs.micro_batches_per_epoch, inputs.gradient_accumulation_steps, inputs.num_train_epochs,
                    inputs.max_steps, examples_per_epoch=inputs.samples,
                    zero_stage=stage if isinstance(stage, int) else None)
@@ -318,7 +313,7 @@ def run_verify(args) -> int:
     if not isinstance(gas, int) or isinstance(gas, bool):
         raise ConfigInputError("gradient_accumulation_steps is not given: pass --gas, or a --training-args or "
                                "--deepspeed-config file that sets it")
-    framework = args.framework or ("trainer" if args.training_args else "deepspeed")
+    framework = args.framework or (TRAINER if args.training_args else DEEPSPEED_LOOP).key
     measuring_config(config, gas, args.world_size)
     missing = [p for p in ("torch", "deepspeed") if installed_version(p) is None]
     if missing:
@@ -342,6 +337,14 @@ def end_after_a_process_group(code: int) -> None:
     os._exit(code)
 
 
+def run_trainer_demo(args) -> int:
+    missing = [p for p in ("torch", "transformers", "accelerate", "deepspeed") if installed_version(p) is None]
+    if missing:  # the light install: the demo trains, so it needs the training packages
+        print(f"stepsync: error: stepsync demo needs {', '.join(missing)}: {INSTALL_TRAINING}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return run_demo(args)
+
+
 def run_lightning_demo(args) -> int:
     """The Lightning demo runs in a process of its own: this command line never imports Lightning."""
     remedy = LIGHTNING.parse_policy(Policy.SYNC if args.policy.watches_only else args.policy, as_flag=True)
@@ -353,6 +356,10 @@ def run_lightning_demo(args) -> int:
         return EXIT_BAD_INPUT
     return subprocess.call([sys.executable, "-m", "stepsync.tools.demo_lightning", "--samples", str(args.samples),
                             "--gas", str(args.gas), "--epochs", str(args.epochs), "--policy", remedy.value])
+
+
+# The demos by name (each its own program: the Lightning one runs in a process of its own).
+DEMOS = {"trainer": run_trainer_demo, "lightning": run_lightning_demo}
 
 
 def version_line() -> str:
@@ -413,13 +420,7 @@ def run_command(argv: Optional[List[str]]) -> int:
             return run_inspect(args)
         if args.command == "verify":
             return run_verify(args)
-        if args.framework == "lightning":
-            return run_lightning_demo(args)
-        missing = [p for p in ("torch", "transformers", "accelerate", "deepspeed") if installed_version(p) is None]
-        if missing:  # the light install: the demo trains, so it needs the training packages
-            print(f"stepsync: error: stepsync demo needs {', '.join(missing)}: {INSTALL_TRAINING}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        return run_demo(args)
+        return DEMOS[args.framework](args)
     except StepSyncError as exc:  # only stepsync's own: any other error is a bug, shown with its traceback
         print(f"stepsync: error: {exc}", file=sys.stderr)
         if "--json" in (sys.argv[1:] if argv is None else argv):  # a reader of stdout gets one object either way

@@ -13,8 +13,9 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..core.errors import ConfigInputError
 from ..core.frameworks import BackwardCall
 from ..core.record import read_json
+from ..core.releases import installed_versions
 from ..core.trainer_config import trainer_fill
-from ..core.versions import NEWEST, assumed_release, installed_version
+from ..core.versions import NEWEST, assumed_release
 from ..core.weights import Accumulation, weight_faults
 
 
@@ -293,7 +294,7 @@ def versions_for(given: Dict[str, Optional[str]], notes: List[str], said: Tuple[
     ``notes`` for the packages in ``said``, those that decide the forecast; all of them by default)."""
     versions: Dict[str, str] = {}
     for package, version in given.items():
-        found = version or installed_version(package)
+        found = version or installed_versions([package])[package]
         versions[package] = found or assumed_release(package)
         if found is None and (not said or package in said):
             shown = "its newest release" if versions[package] == NEWEST else versions[package]

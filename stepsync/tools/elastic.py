@@ -16,6 +16,7 @@ from typing import Callable, List, Optional, Tuple
 
 from ..core.choices import unsupported
 from ..core.errors import StepSyncConfigError
+from ..core.frameworks import SavedFolders
 from ..core.record import load_record
 from ..core.relayout import (
     Layout,
@@ -115,13 +116,15 @@ def resume_settings(checkpoint: Optional[str], world_size: int, per_device_train
                         ("gradient_accumulation_steps", gradient_accumulation_steps)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise StepSyncConfigError(f"{name} must be a whole number >= 1, got {value!r}")
-    if loop not in ("trainer", "accelerate"):
-        raise StepSyncConfigError(unsupported("loop", loop, ("trainer", "accelerate")))
+    readable = (SavedFolders.TRAINER.value, SavedFolders.ACCELERATE.value)
+    if loop not in readable:
+        raise StepSyncConfigError(unsupported("loop", loop, readable))
+    saved_by = SavedFolders(loop)
     settings = ResumeSettings(world_size, per_device_train_batch_size, gradient_accumulation_steps)
     if checkpoint is None:
         settings.notes.append("no checkpoint: a fresh start, nothing to resume")
         return settings
-    if loop == "accelerate":
+    if saved_by.count_in_the_record:  # accelerator.save_state's folders: the loop's place is in the record
         return _apply(settings, example_shift(os.fspath(checkpoint), world_size, per_device_train_batch_size,
                                               gradient_accumulation_steps, examples, settings.notes))
     located = locate(os.fspath(checkpoint))

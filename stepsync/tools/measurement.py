@@ -14,7 +14,7 @@ from importlib.metadata import version
 from typing import Any, Callable, Dict, List, Optional
 
 from ..core.errors import VerifyInputError
-from ..core.frameworks import FRAMEWORKS, BackwardCall
+from ..core.frameworks import ITEMS_IN_BATCH, WINDOW_TOKENS_TIMES_G, BackwardCall, framework_called
 from ..core.tokens import Normalisation, weigh_window
 from ..engine.tokens import sequence_weights
 from .config import disagreement, engine_settings
@@ -23,21 +23,9 @@ from .config import disagreement, engine_settings
 LOSS_SCALE = 1e-3
 # How far a measured weight may be from 1/G: bf16 keeps 8 bits of mantissa.
 TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-3}
-# How each framework calls backward on the engine (its descriptor's BackwardCall), and its name in words.
-FRAMEWORK_CALLS = {framework.key: (framework.backward_call, framework.name) for framework in FRAMEWORKS}
 # Trained tokens of the token window's micro-batches, cycled to G: counts that tell the rules apart.
 TOKEN_COUNTS = (3, 9, 17, 33)
 VOCABULARY = 64
-# How each framework's users compute a window's loss, in words: (the loss path, what it is).
-LOSS_PATHS = {
-    "trainer": (("divided by num_items_in_batch", "a transformers model's loss (the Trainer passes num_items_in_batch "
-                 "and does not divide by G, as transformers 4.47 and later do)"),
-                ("own mean, not divided by G", "a model whose forward takes **kwargs and ignores num_items_in_batch")),
-    "lightning": (("own mean", "each micro-batch's own mean, as F.cross_entropy gives it"),),
-    "default": (("own mean", "each micro-batch's own mean, as F.cross_entropy gives it (the examples)"),
-                ("window tokens, times G", "summed and divided by the window's trained tokens, times G "
-                 "(accelerate's gradient_accumulation_for_autoregressive_models example)")),
-}
 KEYS_REPLACED = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
                  "gradient_accumulation_steps")
 
@@ -50,7 +38,7 @@ class Verdict:
         deepspeed: the release measured.
         stage, offload, precision: what the config asks.
         g: micro-batches per update.
-        framework: whose backward call was measured (:data:`FRAMEWORK_CALLS`).
+        framework: whose backward call was measured (its key: its descriptor's ``backward_call``).
         world_size: the ranks measured.
         weights: each micro-batch's share of the update, rank by rank, in order (1/G each when right: on N ranks
             each sample's share times N), the model returning the loss alone.
@@ -62,8 +50,8 @@ class Verdict:
             "moved on" (neither: the weights moved and stayed finite), or "stopped" (DeepSpeed raised:
             ``non_finite_error`` says what).
         notes: what was changed in the config to measure, and why.
-        tokens: each loss path's token window (:data:`LOSS_PATHS`): its words, and the rule its weights follow
-            (:meth:`stepsync.core.tokens.TokenWeighting.to_dict`) with each micro-batch's token weight times the
+        tokens: each loss path's token window (the framework's ``loss_paths``): its words, and the rule its weights
+            follow (:meth:`stepsync.core.tokens.TokenWeighting.to_dict`) with each micro-batch's token weight times the
             window's trained tokens (1 for each under a token mean).
     """
 
@@ -158,12 +146,7 @@ def _window(engine, g: int, call: BackwardCall = BackwardCall.ENGINE, nan_at: Op
         loss = output["loss"] if isinstance(output, dict) else output
         if k == nan_at:
             loss = loss * float("nan")
-        if call is BackwardCall.TRAINER:
-            engine.backward(loss / g, scale_wrt_gas=False)
-        elif call is BackwardCall.LIGHTNING:
-            engine.backward(loss / g)
-        else:
-            engine.backward(loss)
+        call.backward(engine, loss, g)
         engine.step()
 
 
@@ -223,7 +206,7 @@ def measured_verdict(measured: Dict[str, Any], g: int, framework: str, rank: int
                          "sample per micro-batch, " + (f"{world} local processes (gloo), the non-finite loss on the "
                                                        "last rank only" if world > 1 else "one process"))
     try:
-        _measure(verdict, measured, g, FRAMEWORK_CALLS[framework][0], rank, world)
+        _measure(verdict, measured, g, framework_called(framework).backward_call, rank, world)
     except Exception as exc:  # DeepSpeed refuses the config: say why, never a traceback
         raise DeepSpeedRefusal(in_words(exc)) from exc
     return verdict
@@ -254,7 +237,7 @@ def _measure(verdict: Verdict, measured: Dict[str, Any], g: int, call: BackwardC
         verdict.notes.append("each trained token's weight is measured in one process: stepsync verify without "
                              "--world-size")
         return
-    for path, words in LOSS_PATHS.get(verdict.framework, LOSS_PATHS["default"]):
+    for path, words in framework_called(verdict.framework).loss_paths:
         weighting, per_token = _token_window(measured, g, call, path)
         verdict.tokens.append({"loss": words, **weighting.to_dict(), "per_token_times_n": per_token})
 
@@ -305,17 +288,11 @@ def _token_window(measured: Dict[str, Any], g: int, call: BackwardCall, path: st
         labels[:, count + 1:] = -100
         # what the loss divides its summed tokens by: the window's tokens (times G where the framework divides by
         # G), or the micro-batch's own
-        divisor = {"divided by num_items_in_batch": window_tokens,
-                   "window tokens, times G": window_tokens / g}.get(path, count)
+        divisor = {ITEMS_IN_BATCH: window_tokens, WINDOW_TOKENS_TIMES_G: window_tokens / g}.get(path, count)
         out = engine(ids, labels, divisor)
         logits = made.pop()
         logits.register_hook(_reader(records, logits.detach(), k))
-        if call is BackwardCall.TRAINER:  # no division by G; the loss times the ranks (one), as the Trainer does
-            engine.backward(out["loss"] * 1, scale_wrt_gas=False)
-        elif call is BackwardCall.LIGHTNING:
-            engine.backward(out["loss"] / g)
-        else:
-            engine.backward(out["loss"])
+        call.backward(engine, out["loss"], g, items_counted=True)
         engine.step()
     weighting = weigh_window(records, Normalisation.TOKEN_MEAN, 1, 1, "", g=g)
     per_micro_batch: Dict[int, float] = {}

@@ -11,6 +11,7 @@ import re
 from typing import List, NamedTuple, Optional
 
 from ..core.errors import AuditInputError
+from ..core.frameworks import SavedFolders
 from ..core.record import TRAINER_STATE, step_of
 from .archives import int_in_pickle
 
@@ -24,18 +25,17 @@ ENGINE_MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_
 
 class Located(NamedTuple):
     """One checkpoint: its name as shown, the folder that holds its files, its step (None where it cannot be read),
-    and who saved it: ``saved_by`` is a framework's ``checkpoints`` ("trainer"; "accelerate" for
-    ``accelerator.save_state``, "deepspeed" for a loop's ``engine.save_checkpoint``: their step is DeepSpeed's)."""
+    and the folders it is (``saved_by``: a framework's ``checkpoints``; a loop's step is DeepSpeed's)."""
 
     name: str
     path: str
     step: Optional[int]
-    saved_by: str = "trainer"
+    saved_by: SavedFolders = SavedFolders.TRAINER
 
     @property
     def loop(self) -> bool:
         """A custom loop saved it: its count is in stepsync's record, not in the folder."""
-        return self.saved_by != "trainer"
+        return self.saved_by.count_in_the_record
 
 
 def is_loop_checkpoint(path: str) -> bool:
@@ -113,9 +113,9 @@ def locate(path: str) -> Optional[Located]:
     if _holds_checkpoints(path):  # an output folder, whatever sits at its root (save_state's trainer_state.json)
         return None
     if is_loop_checkpoint(path):
-        return Located(name, path, engine_step_of(path), "accelerate")
+        return Located(name, path, engine_step_of(path), SavedFolders.ACCELERATE)
     if is_engine_checkpoint(path):
-        return Located(name, path, engine_step_in(path), "deepspeed")
+        return Located(name, path, engine_step_in(path), SavedFolders.ENGINE)
     inner = os.path.join(path, RAY_INNER)
     if RAY_CHECKPOINT.match(name) or (not os.path.isfile(os.path.join(path, TRAINER_STATE))
                                       and os.path.isfile(os.path.join(inner, TRAINER_STATE))):
@@ -136,8 +136,8 @@ def checkpoints_under(path: str) -> List[Located]:
              if step_of(name) is not None]
     found += [located for name in os.listdir(path) if RAY_CHECKPOINT.match(name)
               and (located := locate(os.path.join(path, name))) is not None]
-    found += [Located(name, inner, engine_step_of(inner), "accelerate") for name in os.listdir(path)
+    found += [Located(name, inner, engine_step_of(inner), SavedFolders.ACCELERATE) for name in os.listdir(path)
               if step_of(name) is None and is_loop_checkpoint(inner := os.path.join(path, name))]
-    found += [Located(name, inner, engine_step_in(inner), "deepspeed") for name in os.listdir(path)
+    found += [Located(name, inner, engine_step_in(inner), SavedFolders.ENGINE) for name in os.listdir(path)
               if step_of(name) is None and is_engine_checkpoint(inner := os.path.join(path, name))]
     return sorted(found, key=lambda item: (item.step is None, item.step or 0, item.name))

@@ -5,11 +5,11 @@ precision and clipping kept; its optimizer and scheduler replaced by plain SGD a
 exact): a linear model with one weight per micro-batch, each micro-batch a one-hot row, so each weight's move is
 that micro-batch's share of the update. A right update gives each 1/G. The window runs twice: the model returning
 the loss alone, and returning it with the logits it is computed from (as every transformers model does), with
-backward called as the framework calls it (:data:`FRAMEWORK_CALLS`). Then a window with one non-finite loss: did
-the engine skip that update, or apply it? And the clip norm the engine applies. Last, each trained token's weight:
-a window of a tiny causal LM whose micro-batches hold 3, 9, 17 and 33 trained tokens (cycled to G), its loss computed
-each way the framework's users compute it (:data:`LOSS_PATHS`), read at the logits' gradient as the run-time check
-reads it (:mod:`stepsync.engine.tokens`), and the rule it follows named.
+backward called as the framework calls it (its descriptor's ``backward_call``). Then a window with one non-finite
+loss: did the engine skip that update, or apply it? And the clip norm the engine applies. Last, each trained token's
+weight: a window of a tiny causal LM whose micro-batches hold 3, 9, 17 and 33 trained tokens (cycled to G), its loss
+computed each way the framework's users compute it (its descriptor's ``loss_paths``), read at the logits' gradient as
+the run-time check reads it (:mod:`stepsync.engine.tokens`), and the rule it follows named.
 
 One process, or ``world_size`` local processes (torchrun, gloo), on the device DeepSpeed's accelerator finds (CPU
 here): on N ranks the model has one weight per sample of every rank, rank r trains samples r*G .. r*G+G-1, and each
@@ -28,10 +28,8 @@ from typing import Any, Callable, Dict, List, Tuple
 
 from ..core.choices import unsupported
 from ..core.errors import VerifyInputError
-from ..core.frameworks import BackwardCall
+from ..core.frameworks import BackwardCall, framework_called, known_frameworks
 from .measurement import (
-    FRAMEWORK_CALLS,
-    LOSS_PATHS,
     LOSS_SCALE,
     TOLERANCE,
     DeepSpeedRefusal,
@@ -46,8 +44,8 @@ from .measurement import (
 from .tiny_run import cpu_distributed_env
 from .verify_ranks import LAUNCHER_VARIABLES, on_ranks
 
-__all__ = ["FRAMEWORK_CALLS", "LOSS_PATHS", "LOSS_SCALE", "Verdict", "explain", "measure_window", "measuring_config",
-           "verify", "verify_command"]
+__all__ = ["LOSS_SCALE", "Verdict", "explain", "measure_window", "measuring_config", "verify", "verify_command"]
+
 
 def measure_window(config: Dict[str, Any], g: int, outputs: str = "loss", call: str = BackwardCall.ENGINE,
                    precision: str = "fp32") -> Tuple[List[float], List[int]]:
@@ -69,8 +67,9 @@ def verify(config: Dict[str, Any], g: int, framework: str = "deepspeed", world_s
     ranks; DeepSpeed's own output shown only where ``verbose``."""
     if g < 1:
         raise VerifyInputError(f"--gas {g}: must be >= 1")
-    if framework not in FRAMEWORK_CALLS:
-        raise VerifyInputError(unsupported("--framework", framework, FRAMEWORK_CALLS))
+    keys = [known.key for known in known_frameworks()]
+    if framework not in keys:
+        raise VerifyInputError(unsupported("--framework", framework, keys))
     if world_size < 1:
         raise VerifyInputError(f"--world-size {world_size}: must be >= 1")
     measured = measuring_config(config, g, world_size)
@@ -116,8 +115,9 @@ def explain(verdict: Verdict) -> List[str]:
     g = verdict.g
     world = verdict.world_size
     ranks = f" on {world} ranks" if world > 1 else ""
+    caller = framework_called(verdict.framework).name
     lines = [f"DeepSpeed {verdict.deepspeed}, ZeRO-{verdict.stage}, offload {verdict.offload}, {verdict.precision}, "
-             f"G={g}, backward called as {FRAMEWORK_CALLS[verdict.framework][1]} calls it: one window measured{ranks}"]
+             f"G={g}, backward called as {caller} calls it: one window measured{ranks}"]
     tolerance = TOLERANCE.get(verdict.precision, 1e-4)
     for title, weights in (("the model returns the loss alone", verdict.weights),
                            ("the model returns the loss with its logits", verdict.weights_with_logits)):

@@ -8,19 +8,20 @@ from typing import Any, Optional, Union
 from transformers import TrainerCallback
 
 from ..core.choices import Policy
-from ..core.errors import StepSyncConfigError, StepSyncError, UnsupportedVersion
+from ..core.errors import StepSyncConfigError, StepSyncError
 from ..core.frameworks import TRAINER
 from ..core.record import CALLBACK_NAME
 from ..core.report import SyncReport
 from ..core.tokens import Normalisation
-from ..core.versions import EngineBoundary, Stack, behaviour_of, without_an_engine
-from ..display.output import ConsoleOutput, logger
+from ..core.versions import EngineBoundary, without_an_engine
+from ..display.output import logger
 from ..engine.deepspeed import op_builds_of, starts_on_a_cpu
-from ..engine.faults import Adapter, guarded
-from ..engine.lifecycle import close_run, idle_report
+from ..engine.faults import guarded
+from ..engine.lifecycle import close_run
 from ..engine.optimizer import count_optimizer_steps
 from ..engine.resume import record_of
 from ..engine.run import Run
+from ..engine.watch import FrameworkWatch
 from . import trainer as trainer_facts
 from .losses import UnappliedLosses
 from .start import StartVerdict, how_the_ranks_started, start_run
@@ -59,7 +60,7 @@ def _micro_batch_hook(name: str, trainer_updated: bool):
     return hook
 
 
-class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the bases depend on the release
+class StepSyncCallback(*_CALLBACK_BASES, FrameworkWatch):  # type: ignore[misc]  # the bases depend on the release
     """Keeps ``state.global_step`` and the DeepSpeed engine's ``global_steps`` in agreement.
 
     Before training it forecasts both counts per epoch; at every step end and epoch end it
@@ -98,6 +99,8 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
         print(trainer.callback_handler.callbacks[-1].report.drift)
     """
 
+    framework = TRAINER
+
     def __new__(cls, *args, **kwargs):
         # With restore_callback_states_from_checkpoint=True the Trainer rebuilds every stateful callback from
         # the checkpoint (`type(callback)(**saved_args)`) and drops the user's instance. Hand it the user's
@@ -112,15 +115,11 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
                  loss_normalisation: Union[str, Normalisation] = Normalisation.TOKEN_MEAN) -> None:
         if self.__dict__.pop("_restored_with", None) is not None:
             return  # the Trainer is restoring this very instance: keep the user's choices
-        self.policy = TRAINER.parse_policy(policy)
-        self.loss_normalisation = Normalisation.parse(loss_normalisation)
-        self.output = ConsoleOutput(console)
-        self._report = idle_report(TRAINER, self.policy)
-        self._run: Optional[Run] = None
+        self._leader: Optional[StepSyncCallback] = None
+        self._watch(policy, console, loss_normalisation)
         self._state: Any = None
         self._trainer: Any = None
         self._losses: Optional[UnappliedLosses] = None  # realign's: the losses of micro-batches not yet applied
-        self._leader: Optional[StepSyncCallback] = None
         self._extra_metrics: Optional[dict] = None
 
     @property
@@ -128,6 +127,10 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
         """What stepsync saw in the last run (:class:`stepsync.SyncReport`); the acting instance's report when
         another ``StepSyncCallback`` of the same Trainer acts."""
         return self._leader.report if self._leader is not None else self._report
+
+    @report.setter
+    def report(self, report: SyncReport) -> None:
+        self._report = report
 
     # ----------------------------------------------------------------- hooks
 
@@ -145,7 +148,7 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
     @guarded(steering=True, needs_run=False)
     def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
         self._run, self._leader, self._state = None, None, state
-        self._report = idle_report(TRAINER, self.policy)
+        self._idle()
         trainer_facts.keep_a_place_in(state, CALLBACK_NAME, self.state)
         trainer = self._trainer = trainer_facts.find_trainer(self)
         if trainer is None:
@@ -163,12 +166,11 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
             missing = "the Trainer has no torch optimizer (trainer.optimizer) whose steps stepsync can count"
         if engine is None:
             return self._deactivate(missing, logging.WARNING, args, state)
-        try:
-            behaviour = behaviour_of(Stack.installed())
-        except UnsupportedVersion as exc:
+        behaviour = self._installed(trainer_facts.speaks(args, state))
+        if behaviour is None:
             if not deepspeed:
                 engine.stop_counting()
-            return self._deactivate(f"{exc}; stepsync cannot check this run", logging.WARNING, args, state)
+            return None
         if not deepspeed:
             behaviour = without_an_engine(behaviour)
         before = (state.global_step, state.max_steps)
@@ -280,9 +282,6 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
         if self._leader is None:  # with load_best_model_at_end the Trainer has loaded the best checkpoint already
             close_run(self._report, self._run, state.global_step, getattr(state, "best_model_checkpoint", None))
 
-    def _keep(self, run: Run) -> None:
-        self._run, self._report = run, run.report
-
     def _follow(self, leader: StepSyncCallback, args, state) -> None:
         """Another instance acts for this Trainer: stay silent, and share its report."""
         self._leader = leader
@@ -293,7 +292,7 @@ class StepSyncCallback(*_CALLBACK_BASES, Adapter):  # type: ignore[misc]  # the 
                        self.policy.value)
 
     def _deactivate(self, reason: str, level: int, args, state) -> None:
-        self._report = idle_report(TRAINER, self.policy, reason, level, trainer_facts.speaks(args, state))
+        self._idle(reason, level, trainer_facts.speaks(args, state))
 
     def _undo_steering(self) -> None:
         planned = self.report.planned_steps

@@ -197,6 +197,38 @@ def test_no_code_branches_on_a_policy_member_outside_the_policy():
     assert branches == []
 
 
+FRAMEWORK_NAMES = ("TRAINER", "LIGHTNING", "ACCELERATE_LOOP", "FABRIC_LOOP", "DEEPSPEED_LOOP")
+
+
+def _names_a_framework(node):
+    """A descriptor itself, or a framework's key or its saved folders as a string (a package's name is not one)."""
+    from stepsync.core.frameworks import FRAMEWORKS, SavedFolders
+
+    keys = {framework.key for framework in FRAMEWORKS} | {folders.value for folders in SavedFolders}
+    said = ast.unparse(node)
+    return any(isinstance(n, ast.Name) and n.id in FRAMEWORK_NAMES for n in ast.walk(node)) or (
+        any(isinstance(n, ast.Constant) and n.value in keys for n in ast.walk(node))
+        and any(word in said for word in ("framework", ".key", "saved_by", "checkpoints", "releases", "loop")))
+
+
+def test_the_tools_never_branch_on_which_framework_it_is():
+    """The command line, inspect and verify ask a framework's descriptor (its packages, backward call, loss paths,
+    saved folders), never which one it is: a framework written outside stepsync gets each of them."""
+    branches = []
+    for module, path in modules().items():
+        if layer(module) != "tools":
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            packages = isinstance(node, ast.Compare) and any(  # a package among a descriptor's is a fact of it
+                isinstance(side, ast.Attribute) and side.attr == "packages" for side in node.comparators)
+            compared = isinstance(node, ast.Compare) and not packages and _names_a_framework(node)
+            table = isinstance(node, ast.Dict) and any(key is not None and _names_a_framework(key)
+                                                       for key in node.keys)
+            if compared or table:
+                branches.append(f"{module}:{node.lineno}: {ast.unparse(node)[:80]}")
+    assert branches == []
+
+
 def test_the_report_holds_a_copy_of_the_policy_never_read_back():
     read = []
     for module, path in modules().items():

@@ -1,0 +1,171 @@
+"""The skeleton every framework's adapter is built on, whichever framework it watches: the user's choices read
+against the framework's descriptor, a report from the moment the watch exists (idle, saying why, until a run
+opens), the installed releases asked of the descriptor, the run kept as it opens, and the framework's methods
+wrapped on single instances and given back. An adapter adds only what its framework differs in: where its hooks
+are and what they tell the run.
+
+A watch of a loop the user writes (:class:`UserLoopWatch`) adds the loop's micro-batches and epochs as the loop
+reports them, and :meth:`UserLoopWatch.close` (a context manager that closes on exit)."""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, ClassVar, Optional, TypeVar, Union
+
+from ..core.choices import Policy
+from ..core.errors import UnsupportedVersion
+from ..core.frameworks import Framework
+from ..core.releases import installed_behaviour
+from ..core.report import SyncReport
+from ..core.tokens import Normalisation
+from ..core.versions import StackBehaviour
+from ..display.output import ConsoleOutput
+from .faults import Adapter, guarded
+from .lifecycle import RunStart, close_run, idle_report, open_run
+from .loop_objects import InstancePatches
+from .resume import LoopSaves
+from .run import Run
+
+Watch = TypeVar("Watch", bound="UserLoopWatch")
+
+
+class FrameworkWatch(Adapter):
+    """What every adapter is: a watch of one framework (:attr:`framework`, its descriptor), its report, its run.
+
+    Attributes:
+        framework: the descriptor of the framework watched (a class attribute of each adapter).
+        report: what stepsync saw (:class:`stepsync.SyncReport`): idle, saying why, until a run opens.
+    """
+
+    framework: ClassVar[Framework]
+    output: ConsoleOutput
+    loss_normalisation: Normalisation
+    _patches: InstancePatches
+
+    def _watch(self, policy: Union[str, Policy], console: Any,
+               loss_normalisation: Union[str, Normalisation] = Normalisation.TOKEN_MEAN) -> None:
+        """Begin: the user's choices read (an unknown or refused one raises, naming what to use instead)."""
+        self.policy = self.framework.parse_policy(policy)
+        self.loss_normalisation = Normalisation.parse(loss_normalisation)
+        self.output = ConsoleOutput(console)
+        self._run: Optional[Run] = None
+        self._patches = InstancePatches()
+        self._idle()
+
+    @property
+    def run(self) -> Optional[Run]:
+        """The run being watched; None before, with nothing to watch, and once stepsync switched itself off."""
+        return self._run
+
+    def _idle(self, reason: str = "", level: int = logging.INFO, speaks: bool = True) -> None:
+        """No run: the report says why (``reason`` logged at ``level`` where this rank ``speaks``)."""
+        self.report = idle_report(self.framework, self.policy, reason, level, speaks)
+
+    def _installed(self, speaks: bool = True) -> Optional[StackBehaviour]:
+        """What the installed releases do, run by this framework; None (the report saying why) where stepsync does
+        not cover them."""
+        try:
+            return installed_behaviour(self.framework)
+        except UnsupportedVersion as exc:
+            self._idle(f"{exc}; stepsync cannot check this run", logging.WARNING, speaks)
+            return None
+
+    def _open(self, start: RunStart, training_starts: bool = True) -> Run:
+        """Open the run ``start`` describes, kept (:meth:`_keep`) before its policy starts."""
+        return open_run(start, self._keep, training_starts)[0]
+
+    def _keep(self, run: Run) -> None:
+        """The run exists: a failure from now on switches it off, and the report is its own."""
+        self._run, self.report = run, run.report
+
+    def _call_before(self, owner: Any, name: str, hook: Callable[[], None]) -> None:
+        """``owner.name``, on this instance, calls ``hook()`` first; given back at close."""
+        method = getattr(owner, name)
+
+        @functools.wraps(method)
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            hook()
+            return method(*args, **kwargs)
+
+        self._patches.set(owner, name, watched)
+
+    def _call_after(self, owner: Any, name: str, hook: Callable[..., None]) -> None:
+        """``owner.name``, on this instance, calls ``hook(result, *args, **kwargs)`` once it returned (where the
+        framework has the method); given back at close."""
+        method = getattr(owner, name, None)
+        if method is None:
+            return
+
+        @functools.wraps(method)
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            result = method(*args, **kwargs)
+            hook(result, *args, **kwargs)
+            return result
+
+        self._patches.set(owner, name, watched)
+
+
+class UserLoopWatch(FrameworkWatch):
+    """A watch of a loop the user writes: the loop's micro-batches and epochs as the loop's methods report them,
+    and the loop's methods given back at :meth:`close`, which ends the run once."""
+
+    loop_steps: int
+    _checkpoints: LoopSaves  # where the loop saves and loads checkpoints the watch reads
+    _opened: Optional[RunStart]  # what the run opened from, until training starts
+
+    def _micro_batch_begins(self, run: Run, last_unreported: bool) -> None:
+        """A loop whose updates come after its backward() calls, its epochs told apart by the dataloader's length:
+        the last micro-batch is counted where no update followed it, and an epoch begins where none is open or the
+        open one is full."""
+        if last_unreported:
+            run.after_micro_batch(False, self.loop_steps)
+        if run.epoch < run.start_epoch:  # none open yet (a resumed run starts at its record's epoch)
+            run.begin_epoch()
+        elif run.n is not None and run.position >= run.n:
+            run.end_epoch(self.loop_steps)
+            run.begin_epoch()
+
+    def _loop_ends(self, run: Run, last_unreported: bool) -> None:
+        """The loop ended: its last micro-batch counted where no update followed it, and a full epoch ended."""
+        if last_unreported:
+            run.after_micro_batch(False, self.loop_steps)
+        if run.n is not None and run.position >= run.n:
+            run.end_epoch(self.loop_steps)
+
+    def _watch(self, policy: Union[str, Policy], console: Any,
+               loss_normalisation: Union[str, Normalisation] = Normalisation.TOKEN_MEAN) -> None:
+        super()._watch(policy, console, loss_normalisation)
+        self.loop_steps = 0
+        self._opened = None
+
+    def close(self) -> SyncReport:
+        """Give the wrapped methods and the engine's boundary back; the report is final. Closing twice changes
+        nothing."""
+        self._patches.restore()
+        if not self.report.finished:
+            self._close()
+        return self.report
+
+    def _unreported(self) -> bool:
+        """The loop's last micro-batch is not in the run's count yet (no update of the loop's followed it)."""
+        return False
+
+    @guarded(steering=True, needs_run=False)
+    def _close(self) -> None:
+        """End the run: the loop's last micro-batch, its epoch, and the report."""
+        run = self._run
+        if run is not None:
+            self._loop_ends(run, self._unreported())
+        close_run(self.report, run, self.loop_steps)
+
+    @guarded(steering=False)
+    def _after_load(self, run: Run, folder: Optional[str]) -> None:
+        """The loop loaded ``folder``: its record is read for the first micro-batch (training has not started while
+        the start is still open)."""
+        self._checkpoints.after_load(run, folder, started=self._opened is None)
+
+    def __enter__(self: Watch) -> Watch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
