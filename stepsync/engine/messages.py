@@ -10,6 +10,7 @@ from ..display import render
 from ..display.output import logger
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..core.events import DriftEvent
     from ..core.report import SyncReport
 
 
@@ -52,6 +53,28 @@ class Voice:
     def error(self, text: str) -> None:
         self.report.notes.append(text)
         logger.error("%s", text)
+
+    def drift(self, event: DriftEvent) -> None:
+        """A change of the drift with a cause not said before: a warning and its panel where this rank speaks."""
+        if self.is_main:
+            logger.warning("%s", event.message())
+            self.output.show(render.drift_panel, event, logging.WARNING)
+
+    def drift_went_on(self, epoch: int, event: DriftEvent, changes: int) -> None:
+        """An epoch in which a drift said once changed again: its sum, once an epoch."""
+        if self.is_main:
+            logger.warning("epoch %d ends with step drift %+d: %d more change(s) in this epoch with the cause said at "
+                           "epoch %d, micro-batch %d (%s)", epoch, event.last_drift, changes, event.epoch,
+                           event.micro_batch, event.cause.value)
+
+    def differs_from_the_forecast(self, text: str, why: str) -> None:
+        """An epoch's counts the forecast did not predict: said at the first (the report keeps every one)."""
+        if self.is_main:
+            logger.warning("%s; %s", text, why)
+
+    def stopped_observing(self, policy: str, reason: str, exc: BaseException) -> None:
+        logger.error("stopped observing this run on this rank (no more checks, messages or metrics); its policy "
+                     "'%s' goes on acting on training as on every other rank. %s", policy, reason, exc_info=exc)
 
     def announce(self, predicted: Forecast) -> None:
         """The forecast at the start: its verdict, its table, and an early end said as a warning."""

@@ -7,7 +7,6 @@ The run owns its report, its output and its policy's action; it never calls the 
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 from ..core.choices import Policy
@@ -18,8 +17,7 @@ from ..core.prediction import Forecast
 from ..core.relayout import Layout
 from ..core.report import EpochCount, SyncReport
 from ..core.versions import StackBehaviour
-from ..display import render
-from ..display.output import ConsoleOutput, logger
+from ..display.output import ConsoleOutput
 from .deepspeed import engine_facts
 from .messages import Voice
 from .outcomes import Updates
@@ -296,9 +294,7 @@ class Run:
         )
         self.last_drift = drift
         report.events.append(event)
-        if self.is_main:
-            logger.warning("%s", event.message())
-            self.output.show(render.drift_panel, event, logging.WARNING)
+        self.voice.drift(event)
         self.action.on_drift(event)
 
     def cause_of(self, where: str, drift: int, position: Optional[int] = None) -> Cause:
@@ -319,11 +315,8 @@ class Run:
     def _close_epoch(self, trainer_steps: int) -> None:
         """The epoch's check, its counts in the report, and their comparison with the forecast."""
         self.check(trainer_steps, "epoch_end")
-        if self.changes_this_epoch and self.is_main:  # a drift said once where it started: its sum, once an epoch
-            event = self.report.events[-1]
-            logger.warning("epoch %d ends with step drift %+d: %d more change(s) in this epoch with the cause said at "
-                           "epoch %d, micro-batch %d (%s)", self.epoch + 1, event.last_drift, self.changes_this_epoch,
-                           event.epoch, event.micro_batch, event.cause.value)
+        if self.changes_this_epoch:  # a drift said once where it started: its sum, once an epoch
+            self.voice.drift_went_on(self.epoch + 1, self.report.events[-1], self.changes_this_epoch)
         self.report.epochs.append(EpochCount(self.epoch + 1, self.position - self._first_position(), trainer_steps,
                                              self.engine_steps_seen, self.updates.skipped_seen))
         predicted: Optional[Forecast] = self.report.forecast
@@ -336,9 +329,9 @@ class Run:
             expected = "no such epoch" if row is None else f"{row.trainer_steps}/{row.engine_steps}"
             text = f"epoch {epoch}: counts {seen[0]}/{seen[1]} differ from the forecast {expected}"
             self.report.forecast_mismatches.append(text)
-            if len(self.report.forecast_mismatches) == 1 and self.is_main:
+            if len(self.report.forecast_mismatches) == 1:
                 why = f"because of the {self.known_cause.value}" if self.known_cause else "please report this stack"
-                logger.warning("%s; %s", text, why)
+                self.voice.differs_from_the_forecast(text, why)
 
     def drop(self, epoch: int, micro_batches: int) -> None:
         """``micro_batches`` of (1-based) ``epoch`` are left untrained by the policy."""
@@ -362,6 +355,4 @@ class Run:
         self.observing = False
         self.report.active = False
         self.report.inactive_reason = f"{reason}; stopped observing, policy '{self.policy.value}' still acts"
-        logger.error("stopped observing this run on this rank (no more checks, messages or metrics); its policy "
-                     "'%s' goes on acting on training as on every other rank. %s", self.policy.value, reason,
-                     exc_info=exc)
+        self.voice.stopped_observing(self.policy.value, reason, exc)

@@ -229,6 +229,16 @@ def test_the_tools_never_branch_on_which_framework_it_is():
     assert branches == []
 
 
+def test_the_run_says_and_draws_through_its_voice_only():
+    """Display is a subscriber of the run: engine/run.py neither logs nor draws; its voice (engine/messages.py)
+    says and draws what the run found."""
+    path = modules()["stepsync.engine.run"]
+    imported = {name for name, _ in imports("stepsync.engine.run", path)}
+    calls, _ = calls_and_writes(path)
+    assert not {"stepsync.display.render", "stepsync.display.output.logger"} & imported
+    assert [call for call in calls if call.startswith(("logger.", "self.output."))] == []
+
+
 def test_the_report_holds_a_copy_of_the_policy_never_read_back():
     read = []
     for module, path in modules().items():
