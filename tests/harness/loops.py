@@ -70,7 +70,7 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
              nan_at: Optional[int] = None, max_norm: Optional[float] = None, code_g: Optional[int] = None,
              config_g=None, told_g: Optional[int] = None, save_to: Optional[str] = None,
              resume_from: Optional[str] = None, save_every_micro_batch: bool = False,
-             names_count_micro_batches: bool = False) -> LoopRun:
+             names_count_micro_batches: bool = False, evaluate_each_epoch: int = 0) -> LoopRun:
     """Train the tiny model with a loop shaped like transformers' run_clm_no_trainer.py on accelerate + DeepSpeed.
 
     ``policy=None`` runs without stepsync; ``outside_accumulate`` calls ``accelerator.backward`` outside
@@ -88,6 +88,8 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
     ``names_count_micro_batches`` names and places them as accelerate's ``examples/by_feature/checkpointing.py``
     does: ``step_N`` every G micro-batches, N counting micro-batches, and on resume N micro-batches skipped (whole
     epochs first), its count then restarting at the skip within the epoch (``overall_step += resume_step``).
+    ``evaluate_each_epoch``: after every epoch, the example's evaluation: ``model.eval()`` and a forward under
+    ``torch.no_grad()`` on each batch of a prepared eval dataloader of that many samples, then ``model.train()``.
     """
     cpu_distributed_env()
     import torch
@@ -116,6 +118,8 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
                               num_training_steps=epochs * steps_per_epoch)
     model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
     engine = accelerator.deepspeed_engine_wrapped.engine
+    evaluation = accelerator.prepare(torch.utils.data.DataLoader(TinyDataset(evaluate_each_epoch, seed=2),
+                                                                 batch_size=1)) if evaluate_each_epoch else None
     watch = stepsync.watch(accelerator, policy, dataloader=dataloader, num_epochs=epochs, console=False,
                            gradient_accumulation_steps=told_g) if policy else None
     result = LoopRun(accelerator, engine, watch)
@@ -169,6 +173,11 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
                         not names_count_micro_batches:
                     accelerator.save_state(os.path.join(save_to, f"step_{completed}"))
                     result.saved[f"step_{completed}"] = (completed, engine.global_steps)
+            if evaluation is not None:  # run_clm_no_trainer.py's evaluation after each epoch
+                model.eval()
+                for batch in evaluation:
+                    with torch.no_grad():
+                        model(**batch)
             result.epoch_ends.append((completed, engine.global_steps))
             if save_to:
                 accelerator.save_state(os.path.join(save_to, f"epoch_{epoch}"))

@@ -59,6 +59,20 @@ def test_warn_reports_the_loops_real_drift_and_changes_nothing():
         assert followed == []
 
 
+@pytest.mark.parametrize("policy", ["warn", "sync"])
+def test_an_evaluation_between_epochs_changes_no_count(policy):
+    """run_clm_no_trainer.py evaluates after each epoch on a prepared eval dataloader (3 batches: accelerate's
+    gradient state follows that loader while it runs): the report equals the loop's record, and the run the same
+    without evaluation, count by count."""
+    evaluated, plain = loop(policy, evaluate_each_epoch=3), loop(policy)
+    check_against_the_loops_record(evaluated)
+    assert (evaluated.loop_steps, evaluated.engine_steps) == (plain.loop_steps, plain.engine_steps)
+    report, alone = evaluated.watch.report, plain.watch.report
+    assert [(e.epoch, e.micro_batch, e.drift) for e in report.events] == [
+        (e.epoch, e.micro_batch, e.drift) for e in alone.events]
+    assert report.notes == alone.notes
+
+
 def test_warn_leaves_the_parameters_as_they_were():
     import torch
 
