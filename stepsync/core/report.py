@@ -51,6 +51,19 @@ class LoadedCheckpoint:
         return f"the best checkpoint {self.folder} (Trainer {saved}, engine {self.engine_steps})"
 
 
+# Findings of one kind kept as they happened, the first ones and the last; the rest are counted: what a report
+# keeps, prints and saves in every checkpoint is bounded by the kinds of finding, not by the run's updates.
+KEPT = 8
+
+
+def keep(found: list, item: object) -> None:
+    """``item`` into ``found``: appended among the first :data:`KEPT`, else in place of the last."""
+    if len(found) < KEPT:
+        found.append(item)
+    else:
+        found[-1] = item
+
+
 @dataclass
 class SyncReport(Counted):
     """The outcome of a run as stepsync saw it; read it from ``callback.report``.
@@ -84,15 +97,18 @@ class SyncReport(Counted):
             across epochs); empty when each update trained what the framework means by one.
         engine_skipped: of ``engine_steps``, the updates the engine counted but did not apply (its own
             ``skipped_steps``, kept across resumes); ``applied_steps`` is the rest.
-        skipped_updates: each update this run saw the engine skip, where (:class:`SkippedUpdate`).
+        skipped_updates: the updates this run saw the engine skip, where (:class:`SkippedUpdate`): the first
+            :data:`KEPT` - 1 and the last, bounded whatever the run's length; ``skips_lost`` and
+            ``skips_by_design`` count them all, by kind.
         weight_faults: what the installed DeepSpeed does to each micro-batch's weight in this configuration, as
             probed (:mod:`stepsync.core.weights`), said before the first micro-batch.
         non_finite: where the weights were first found not finite after an update the engine applied
             (:class:`NonFiniteUpdate`); None while they are finite or where the engine checks its gradients.
         ranks_apart: where the ranks' copies of the weights were first found to differ (:class:`RanksApart`); None
             while they agree, on one rank, or where no rank holds a whole copy (ZeRO-3).
-        lost_gradients: each update the engine applied without some of the micro-batches the loop gave it
-            (:class:`LostGradients`: several backward() calls per step() on ZeRO 1 and 2).
+        lost_gradients: the updates the engine applied without some of the micro-batches the loop gave it
+            (:class:`LostGradients`: several backward() calls per step() on ZeRO 1 and 2): the first :data:`KEPT` - 1
+            and the last; ``updates_losing`` and ``lost_micro_batches`` count them all.
         token_weighting: how the loss weighed each trained token in the first window whose micro-batches hold
             different numbers of them (:class:`TokenWeighting`); None until such a window, or where the model has
             no output embeddings to read it at.
@@ -124,10 +140,14 @@ class SyncReport(Counted):
     update_flaws: List[str] = field(default_factory=list)
     engine_skipped: int = 0
     skipped_updates: List[SkippedUpdate] = field(default_factory=list)
+    skips_lost: int = 0
+    skips_by_design: int = 0
     non_finite: Optional[NonFiniteUpdate] = None
     ranks_apart: Optional[RanksApart] = None
     weight_faults: List[str] = field(default_factory=list)
     lost_gradients: List[LostGradients] = field(default_factory=list)
+    updates_losing: int = 0
+    lost_micro_batches: int = 0
     token_weighting: Optional[TokenWeighting] = None
     updater: str = "engine"
 
@@ -168,7 +188,7 @@ class SyncReport(Counted):
         if self.epochs:
             lines.append(f"trained: {len(self.epochs)} epoch(s), {self.micro_batches} micro-batch(es)")
         if self.lost_gradients:
-            lines.append(f"lost: {self.lost_micro_batches} micro-batch(es) in {len(self.lost_gradients)} update(s); "
+            lines.append(f"lost: {self.lost_micro_batches} micro-batch(es) in {self.updates_losing} update(s); "
                          f"first {self.lost_gradients[0]}")
         if self.unapplied_micro_batches:
             lines.append(f"never applied: the last {self.unapplied_micro_batches} micro-batch(es), in the "
@@ -188,13 +208,8 @@ class SyncReport(Counted):
         return self.engine_steps - self.engine_skipped
 
     @property
-    def lost_micro_batches(self) -> int:
-        """Micro-batches the loop gave an update that the update does not hold (:attr:`lost_gradients`)."""
-        return sum(update.lost for update in self.lost_gradients)
-
-    @property
     def lost_updates(self) -> List[SkippedUpdate]:
-        """The skipped updates whose data is lost (not fp16's loss-scale search)."""
+        """The skipped updates kept whose data is lost (not fp16's loss-scale search); ``skips_lost`` counts all."""
         return [skip for skip in self.skipped_updates if not skip.by_design]
 
     @property
@@ -218,6 +233,20 @@ class SyncReport(Counted):
             found = self.non_finite
             parts.append(f"weights not finite {'from' if found.each_update else 'by'} update {found.engine_steps}")
         return f"{self.engine_steps} ({'; '.join(parts)})" if parts else str(self.engine_steps)
+
+    def took_a_skip(self, skip: SkippedUpdate) -> None:
+        """The engine skipped an update: counted by kind, kept where it is among the first or the last."""
+        if skip.by_design:
+            self.skips_by_design += 1
+        else:
+            self.skips_lost += 1
+        keep(self.skipped_updates, skip)
+
+    def took_lost_gradients(self, lost: LostGradients) -> None:
+        """An update left out micro-batches the loop gave it: counted, kept where among the first or the last."""
+        self.updates_losing += 1
+        self.lost_micro_batches += lost.lost
+        keep(self.lost_gradients, lost)
 
     def _first_and_last_skips(self) -> List[SkippedUpdate]:
         skips = self.skipped_updates

@@ -164,11 +164,11 @@ def summary_view(report: SyncReport) -> Panel:
                      style=None if finished else "yellow")
     lost = report.lost_updates
     if lost:
-        where = f"first {lost[0]}" + (f"; last {lost[-1]}" if len(lost) > 1 else "")
-        lines.append(f"\nthe engine skipped {len(lost)} update(s) it counted: {where}", style="bold red")
-    if len(lost) < len(report.skipped_updates):
-        lines.append(f"\nfp16's loss scale skipped {len(report.skipped_updates) - len(lost)} update(s) while "
-                     "searching for a scale (by design)")
+        where = f"first {lost[0]}" + (f"; last {lost[-1]}" if report.skips_lost > 1 else "")
+        lines.append(f"\nthe engine skipped {report.skips_lost} update(s) it counted: {where}", style="bold red")
+    if report.skips_by_design:
+        lines.append(f"\nfp16's loss scale skipped {report.skips_by_design} update(s) while searching for a scale "
+                     "(by design)")
     if report.lost_gradients:
         lines.append(f"\n{report.lost_micro_batches} micro-batch(es) your loop gave the engine's updates trained "
                      f"nothing: first {report.lost_gradients[0]}", style="bold red")

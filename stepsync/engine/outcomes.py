@@ -75,7 +75,7 @@ class Updates:
         skip = SkippedUpdate(max(run.epoch, 0) + 1, run.position, run.engine_steps_seen,
                              searching and not at_minimum, at_minimum, scale.now if scale is not None else None)
         self.report.engine_skipped = self.skipped_seen
-        self.report.skipped_updates.append(skip)
+        self.report.took_a_skip(skip)
         if run.observing:
             run.observe(self.say_skipped, skip)
         run.action.on_skipped_update(skip)
@@ -109,8 +109,8 @@ class Updates:
     def took_lost_gradients(self, run: Run, lost: LostGradients) -> None:
         """An update is about to leave out micro-batches the loop gave it: kept, the first said at once (the
         summary counts the rest), and given to the policy before the update is made."""
-        self.report.lost_gradients.append(lost)
-        if run.observing and len(self.report.lost_gradients) == 1:
+        self.report.took_lost_gradients(lost)
+        if run.observing and self.report.updates_losing == 1:
             run.observe(self.voice.warn, f"{lost}; call engine.set_gradient_accumulation_boundary(i == last) before "
                                          "each backward() (or set \"managed_gradient_accumulation\": false in the "
                                          "DeepSpeed config, where your DeepSpeed has it), or use policy='sync'; later "
@@ -128,7 +128,7 @@ class Updates:
 
     def say_skipped(self, skip: SkippedUpdate) -> None:
         """The first skipped update of each kind, said at once; the summary counts the rest."""
-        if sum(s.by_design == skip.by_design for s in self.report.skipped_updates) > 1:
+        if (self.report.skips_by_design if skip.by_design else self.report.skips_lost) > 1:
             return
         if skip.by_design:
             self.voice.note(f"the engine skipped {skip}: fp16's dynamic loss scale skips updates while it searches for "

@@ -5,6 +5,7 @@ The fake engine keeps DeepSpeed's two counters and its boundary rule (``(micro_s
 (every G-th micro-batch and at the epoch's end) and applies what the run returns, as the callback does.
 The real Trainer and DeepSpeed are exercised by tests/integration; these pin the decisions themselves.
 """
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -322,6 +323,50 @@ def test_an_update_the_engine_skips_is_counted_apart_where_it_happened():
     assert "applied: 2 of the engine's 3 updates (1 skipped)" in str(report)
     assert sum("the engine skipped update 2" in note for note in report.notes) == 1
     assert report.to_dict()["applied_steps"] == 2 and report.to_dict()["skipped_updates"][0]["engine_steps"] == 2
+
+
+def render_text(report) -> str:
+    """The summary view as a terminal 100 columns wide shows it."""
+    import io
+
+    from rich.console import Console
+
+    from stepsync.display.render import summary_view
+
+    shown = io.StringIO()
+    Console(file=shown, width=100).print(summary_view(report))
+    return shown.getvalue()
+
+
+def test_a_run_that_skips_update_after_update_keeps_a_bounded_report():
+    """200 updates, every one skipped (a gradient not finite each time): the report keeps the first 7 and the last,
+    counts all 200, and its summary and JSON stay the same size as a run with 20 skips."""
+    from stepsync.core.report import KEPT
+
+    def skipping(updates):
+        engine = FakeEngine(2, skips=set(range(1, updates + 1)))
+        run, _, _ = drive("warn", 2 * updates, 2, 1, engine=engine)
+        return run.report
+
+    long, short = skipping(200), skipping(20)
+    assert [skip.engine_steps for skip in long.skipped_updates] == [*range(1, KEPT), 200]
+    assert (long.skips_lost, long.skips_by_design, long.engine_skipped, long.applied_steps) == (200, 0, 200, 0)
+    assert "applied: 0 of the engine's 200 updates (200 skipped)" in str(long)
+    assert "the engine skipped 200 update(s) it counted: first update 1" in " ".join(render_text(long).split())
+    assert len(json.dumps(long.to_dict())) - len(json.dumps(short.to_dict())) < 40  # digits, not entries
+    assert sum("the engine skipped update" in note for note in long.notes) == 1
+
+
+def test_updates_that_lose_micro_batches_are_kept_bounded_and_counted_whole():
+    from stepsync.core.events import LostGradients
+    from stepsync.core.report import KEPT, SyncReport
+
+    report = SyncReport(Policy.WARN, active=True)
+    for update in range(1, 101):
+        report.took_lost_gradients(LostGradients(1, 4 * update, update, 4, 3, 2))
+    assert [lost.engine_steps for lost in report.lost_gradients] == [*range(1, KEPT), 100]
+    assert (report.updates_losing, report.lost_micro_batches) == (100, 300)
+    assert "lost: 300 micro-batch(es) in 100 update(s); first update 1" in str(report)
 
 
 def test_raise_stops_at_the_first_skipped_update_before_another_is_made():
