@@ -17,12 +17,14 @@ _PUBLIC = {
     "NonFiniteUpdateError": "core.errors", "NonFiniteUpdate": "core.events", "UnsafeCheckpointError": "core.errors",
     "RanksApartError": "core.errors", "RanksApart": "core.events",
     "LossNormalisationError": "core.errors", "Normalisation": "core.tokens", "TokenWeighting": "core.tokens",
-    "GradientsLostError": "core.errors", "UnsupportedVersion": "core.errors", "ConfigInputError": "core.errors",
+    "GradientsLostError": "core.errors", "GradientSyncError": "core.errors", "UnsyncedUpdate": "core.events",
+    "UnsupportedVersion": "core.errors", "ConfigInputError": "core.errors",
     "UnreadableFileError": "core.errors", "VerifyInputError": "core.errors", "AuditInputError": "core.errors",
     "SyncReport": "core.report",
     "Stack": "core.versions", "behaviour_of": "core.versions",
     "StepSyncCallback": "trainer.callback",
     "watch": "tools.watching", "LoopWatch": "accelerate.watch", "EngineWatch": "deepspeed.watch",
+    "ShardedWatch": "fsdp.watch",
     "resume_settings": "tools.elastic", "ResumeSettings": "tools.elastic",
 }
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .events import DriftEvent, LostGradients, NonFiniteUpdate, RanksApart, SkippedUpdate
+    from .events import DriftEvent, LostGradients, NonFiniteUpdate, RanksApart, SkippedUpdate, UnsyncedUpdate
 
 
 class StepSyncError(Exception):
@@ -60,6 +60,16 @@ class GradientsLostError(StepSyncError, RuntimeError):
         super().__init__(f"{lost}; policy 'raise' stopped before that update: call "
                          "engine.set_gradient_accumulation_boundary(i == last) before each backward(), or use "
                          "policy='sync'")
+
+
+class GradientSyncError(StepSyncError, RuntimeError):
+    """Raised by policy ``'raise'`` before an update whose gradients are not those of the window the loop closed,
+    because of where the gradient sync was on (FSDP2's ``set_requires_gradient_sync``, DDP's ``no_sync()``);
+    carries the :class:`UnsyncedUpdate`. Nothing of it was applied."""
+
+    def __init__(self, found: UnsyncedUpdate) -> None:
+        self.found = found
+        super().__init__(f"{found}; policy 'raise' stopped before that update, or use policy='sync'")
 
 
 class LossNormalisationError(StepSyncError, RuntimeError):

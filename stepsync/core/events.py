@@ -232,3 +232,47 @@ class LostGradients:
     def kept(self) -> Tuple[int, int]:
         """(micro-batches the update holds, micro-batches the loop gave it)."""
         return self.backwards - self.lost, self.backwards
+
+
+@dataclass(frozen=True)
+class UnsyncedUpdate:
+    """An update whose gradients are not those of the window the loop closed, because of where the gradient sync
+    was on: FSDP2 (``set_requires_gradient_sync``) and DDP (``no_sync()``) keep a micro-batch's gradient unreduced
+    until a backward with the sync on, so an update holds what was reduced since the last one: micro-batches of
+    earlier windows, and none of those after the window's last synced backward.
+
+    Attributes:
+        epoch: 1-based epoch.
+        micro_batch: the micro-batch of that epoch at which the loop called ``optimizer.step()``.
+        update: the number of that update (policy 'raise' stops before it is made).
+        window: the micro-batches the loop gave it (its backward() calls since its last step).
+        held: of those, the ones the update holds.
+        from_earlier: micro-batches of earlier windows it holds as well.
+    """
+
+    epoch: int
+    micro_batch: int
+    update: int
+    window: int
+    held: int
+    from_earlier: int
+
+    @property
+    def left(self) -> int:
+        """The window's micro-batches the update leaves for a later one (or none, where the sync never comes)."""
+        return self.window - self.held
+
+    def __str__(self) -> str:
+        where = f"update {self.update} at epoch {self.epoch}, micro-batch {self.micro_batch}"
+        if not self.held and not self.from_earlier:
+            return (f"{where} received no gradient: the gradient sync was off for all {self.window} micro-batches "
+                    "your loop gave it, so the optimizer applied nothing; turn the sync on for the last micro-batch "
+                    "of each window (model.set_requires_gradient_sync(is_last))")
+        parts = []
+        if self.left:
+            parts.append(f"{self.left} of the {self.window} micro-batches your loop gave it wait unreduced for a "
+                         "later update (the sync was off after its last synced backward)")
+        if self.from_earlier:
+            parts.append(f"it holds {self.from_earlier} micro-batch(es) of earlier windows")
+        return (f"{where}: " + "; ".join(parts) + "; turn the sync on for the last micro-batch of each window "
+                "only (model.set_requires_gradient_sync(is_last) before its forward)")

@@ -327,7 +327,23 @@ DEEPSPEED_LOOP = Framework(
                      "drop each epoch's partial window in your loop")),
     packages=("deepspeed",), checkpoints=SavedFolders.ENGINE)
 
-FRAMEWORKS = (TRAINER, LIGHTNING, ACCELERATE_LOOP, FABRIC_LOOP, DEEPSPEED_LOOP)
+# A torch-native loop whose model is sharded with FSDP2 (fully_shard), as torchtitan's and PyTorch's examples
+# write it: the loop closes a window every G micro-batches and at the dataloader's end, turns the gradient sync on
+# for each window's last micro-batch (model.set_requires_gradient_sync(is_last)) and steps its optimizer there.
+FSDP_LOOP = Framework(
+    name="your FSDP2 loop", who="your loop", counter="loop windows", whose_g="your loop's", key="fsdp",
+    counts_by=TrainerRule.EPOCH_END, plans_by=PlannedSteps.CEIL, engine_stepped=EngineBoundary.FOLLOWS_TRAINER,
+    engine_reason="your loop steps its optimizer itself: each update is an optimizer.step() of the loop's",
+    metric_keys=("stepsync/loop_steps", "stepsync/optimizer_steps", "stepsync/drift"),
+    remedy="use stepsync.watch(model, optimizer=..., policy='sync'), which turns the gradient sync on at the last "
+           "micro-batch of each of your loop's windows",
+    g_fix="pass stepsync.watch(model, gradient_accumulation_steps=G) the G your loop steps its optimizer at",
+    refused=(Refusal("follows_the_engine", "cannot change your loop's own count", (Policy.SYNC, Policy.WARN)),
+             Refusal("ends_epochs_early", "cannot end your dataloader's epochs early", (Policy.SYNC,),
+                     "drop each epoch's partial window in your loop")),
+    packages=("torch",))
+
+FRAMEWORKS = (TRAINER, LIGHTNING, ACCELERATE_LOOP, FABRIC_LOOP, DEEPSPEED_LOOP, FSDP_LOOP)
 _REGISTERED: List[Framework] = []  # frameworks described outside stepsync, by register()
 
 

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional
 
 from .choices import Policy
-from .events import Counted, DriftEvent, LostGradients, NonFiniteUpdate, RanksApart, SkippedUpdate
+from .events import Counted, DriftEvent, LostGradients, NonFiniteUpdate, RanksApart, SkippedUpdate, UnsyncedUpdate
 from .frameworks import TRAINER, Framework
 from .prediction import Forecast
 from .record import ResumeRecord
@@ -109,6 +109,9 @@ class SyncReport(Counted):
         lost_gradients: the updates the engine applied without some of the micro-batches the loop gave it
             (:class:`LostGradients`: several backward() calls per step() on ZeRO 1 and 2): the first :data:`KEPT` - 1
             and the last; ``updates_losing`` and ``lost_micro_batches`` count them all.
+        unsynced_updates: the updates whose gradients were not those of the window the loop closed, because of
+            where the gradient sync was on (:class:`UnsyncedUpdate`: FSDP2 and DDP): the first :data:`KEPT` - 1 and
+            the last; ``updates_unsynced`` counts them all.
         token_weighting: how the loss weighed each trained token in the first window whose micro-batches hold
             different numbers of them (:class:`TokenWeighting`); None until such a window, or where the model has
             no output embeddings to read it at.
@@ -148,6 +151,8 @@ class SyncReport(Counted):
     lost_gradients: List[LostGradients] = field(default_factory=list)
     updates_losing: int = 0
     lost_micro_batches: int = 0
+    unsynced_updates: List[UnsyncedUpdate] = field(default_factory=list)
+    updates_unsynced: int = 0
     token_weighting: Optional[TokenWeighting] = None
     updater: str = "engine"
 
@@ -190,6 +195,9 @@ class SyncReport(Counted):
         if self.lost_gradients:
             lines.append(f"lost: {self.lost_micro_batches} micro-batch(es) in {self.updates_losing} update(s); "
                          f"first {self.lost_gradients[0]}")
+        if self.unsynced_updates:
+            lines.append(f"gradient sync: {self.updates_unsynced} update(s) did not hold their window; first "
+                         f"{self.unsynced_updates[0]}")
         if self.unapplied_micro_batches:
             lines.append(f"never applied: the last {self.unapplied_micro_batches} micro-batch(es), in the "
                          f"{self.updater}'s window that never closed")
@@ -247,6 +255,11 @@ class SyncReport(Counted):
         self.updates_losing += 1
         self.lost_micro_batches += lost.lost
         keep(self.lost_gradients, lost)
+
+    def took_an_unsynced_update(self, found: UnsyncedUpdate) -> None:
+        """An update whose gradients are not its window's: counted, kept where among the first or the last."""
+        self.updates_unsynced += 1
+        keep(self.unsynced_updates, found)
 
     def _first_and_last_skips(self) -> List[SkippedUpdate]:
         skips = self.skipped_updates

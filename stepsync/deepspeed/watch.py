@@ -36,7 +36,7 @@ from ..engine.loop_objects import length_of
 from ..engine.policies import engine_loop_action_for
 from ..engine.resume import engines_schedule
 from ..engine.run import Run
-from ..engine.watch import UserLoopWatch
+from ..engine.watch import NO_LENGTH, UserLoopWatch
 from .checkpoints import EngineCheckpoints, checkpoint_folder
 
 UNSEEN_BACKWARD = ("engine.step() came with no engine.backward() before it: your loop calls backward another way "
@@ -123,8 +123,7 @@ class EngineWatch(UserLoopWatch):
             run.voice.note(f"the engine had made {start} update(s) before stepsync.watch(): your loop's count is taken "
                            "to start there")
         if n is None:
-            run.voice.note("no dataloader length: pass dataloader=... to stepsync.watch() to tell its epochs apart "
-                           "and for a forecast")
+            run.voice.note(NO_LENGTH)
         self._wrap()
 
     def _wrap(self) -> None:

@@ -172,6 +172,9 @@ def summary_view(report: SyncReport) -> Panel:
     if report.lost_gradients:
         lines.append(f"\n{report.lost_micro_batches} micro-batch(es) your loop gave the engine's updates trained "
                      f"nothing: first {report.lost_gradients[0]}", style="bold red")
+    if report.unsynced_updates:
+        lines.append(f"\n{report.updates_unsynced} update(s) did not hold the window your loop gave them (where the "
+                     f"gradient sync was on): first {report.unsynced_updates[0]}", style="bold red")
     if report.ranks_apart is not None:
         lines.append(f"\n{report.ranks_apart}", style="bold red")
     shift = report.resume_shift
@@ -194,7 +197,8 @@ def summary_view(report: SyncReport) -> Panel:
     if report.events:
         parts.append(events_table(report.events, report.framework.who))
     weighed = report.token_weighting
-    troubled = (report.drift or report.update_flaws or lost or report.lost_gradients or report.ranks_apart
+    troubled = (report.drift or report.update_flaws or lost or report.lost_gradients or report.unsynced_updates
+                or report.ranks_apart
                 or (shift is not None and not shift.exact) or (weighed is not None and not weighed.as_expected))
     return Panel(Group(*parts), title="stepsync summary", border_style="red" if troubled else "green")
 

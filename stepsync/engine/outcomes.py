@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
-from ..core.events import LostGradients, NonFiniteUpdate, RanksApart, SkippedUpdate
+from ..core.events import LostGradients, NonFiniteUpdate, RanksApart, SkippedUpdate, UnsyncedUpdate
 from ..core.frameworks import NON_FINITE_METRIC, SKIPPED_METRIC
 from .deepspeed import EngineFacts, FiniteWeights, WeightFingerprint, loss_scale
 from .messages import Voice
@@ -116,6 +116,15 @@ class Updates:
                                          "DeepSpeed config, where your DeepSpeed has it), or use policy='sync'; later "
                                          "updates that lose micro-batches are counted in the report")
         run.action.on_lost_gradients(lost)
+
+    def took_an_unsynced_update(self, run: Run, found: UnsyncedUpdate) -> None:
+        """An update is about to apply gradients other than its window's (where the sync was on): kept, the first
+        said at once (the summary counts the rest), and given to the policy before the update is made."""
+        self.report.took_an_unsynced_update(found)
+        if run.observing and self.report.updates_unsynced == 1:
+            run.observe(self.voice.warn, f"{found}; or use policy='sync'; later updates like it are counted in the "
+                                         "report")
+        run.action.on_unsynced_update(found)
 
     def metrics(self) -> dict:
         """What the updates did, beside each framework's counts: once there is something to say."""

@@ -11,13 +11,14 @@ from ..core import rules
 from ..core.choices import Policy
 from ..core.errors import (
     GradientsLostError,
+    GradientSyncError,
     NonFiniteUpdateError,
     RanksApartError,
     StepDriftError,
     StepSyncConfigError,
     UpdateSkippedError,
 )
-from ..core.events import Cause, DriftEvent, LostGradients, NonFiniteUpdate, RanksApart, SkippedUpdate
+from ..core.events import Cause, DriftEvent, LostGradients, NonFiniteUpdate, RanksApart, SkippedUpdate, UnsyncedUpdate
 from ..core.forecast import forecast
 from ..core.versions import EngineBoundary
 from .deepspeed import BoundaryOverride
@@ -68,6 +69,10 @@ class RaiseAction(PolicyAction):
     def on_ranks_apart(self, apart: RanksApart) -> None:
         # Every rank took part in the comparison and read its one answer: every rank raises here.
         raise RanksApartError(apart)
+
+    def on_unsynced_update(self, found: UnsyncedUpdate) -> None:
+        # Every rank runs the same loop and sets the same sync: every rank raises here.
+        raise GradientSyncError(found)
 
 
 class RealignAction(PolicyAction):

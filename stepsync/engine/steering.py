@@ -11,7 +11,7 @@ from enum import IntEnum
 from typing import Any, Optional, Protocol
 
 from ..core.choices import Policy
-from ..core.events import Cause, DriftEvent, LostGradients, NonFiniteUpdate, RanksApart, SkippedUpdate
+from ..core.events import Cause, DriftEvent, LostGradients, NonFiniteUpdate, RanksApart, SkippedUpdate, UnsyncedUpdate
 from ..core.plan import RunPlan
 from ..core.report import SyncReport
 from ..core.versions import StackBehaviour
@@ -127,6 +127,9 @@ class PolicyAction:
 
     def on_ranks_apart(self, apart: RanksApart) -> None:
         """When the ranks' copies of the weights are found to differ."""
+
+    def on_unsynced_update(self, found: UnsyncedUpdate) -> None:
+        """Before an update whose gradients are not those of the window the loop closed."""
 
     def end(self, run: RunView) -> None:
         """At the end of training or when stepsync switches itself off: leave the engine as it was."""

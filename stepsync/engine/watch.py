@@ -27,6 +27,8 @@ from .resume import LoopSaves
 from .run import Run
 
 Watch = TypeVar("Watch", bound="UserLoopWatch")
+NO_LENGTH = ("no dataloader length: pass dataloader=... to stepsync.watch() to tell its epochs apart and for a "
+             "forecast")
 
 
 class FrameworkWatch(Adapter):

@@ -1,0 +1,99 @@
+"""A torch-native loop whose model is sharded with FSDP2 (``fully_shard`` on its layer and its root), as PyTorch's and
+torchtitan's accumulation loops write it: ``model.set_requires_gradient_sync(last)`` before each micro-batch,
+``loss.backward()``, and ``optimizer.step()`` at each window's last micro-batch (every G-th of an epoch and its last).
+Recorded by the loop itself, independently of stepsync.
+
+The model is one weight per sample and each micro-batch one sample's one-hot row under plain SGD at lr 1, the loss
+the output's sum: each update's samples, and each one's share of it, are read from the whole weights (gathered from
+their shards on every rank). Rank r trains sample ``i * world + r`` at micro-batch i of every epoch.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+# Where the loop turns the gradient sync on: at each window's last micro-batch (right), never (the slip of a loop
+# ported from no_sync()), at each window's first (the sync set once per window, before its first micro-batch).
+SYNC_AT = {
+    "last": lambda i, g, n: (i + 1) % g == 0 or i + 1 == n,
+    "never": lambda i, g, n: False,
+    "first": lambda i, g, n: i % g == 0,
+}
+
+
+@dataclass
+class ShardedLoopRun:
+    """What the loop saw: each update's samples with their shares times the ranks (1: the sample applied whole),
+    the optimizer's steps, and the error a policy raised."""
+
+    updates: List[Dict[int, float]] = field(default_factory=list)
+    steps: int = 0
+    watch: Any = None
+    error: Optional[BaseException] = None
+    world: int = 1
+
+
+def run_sharded_loop(per_rank: int, g: int, epochs: int, sync_at: str = "last", policy: Optional[str] = None
+                     ) -> ShardedLoopRun:
+    """The loop above on this process group (one is started for a single process); ``policy``:
+    ``stepsync.watch(model, optimizer=...)`` under it (None: not watched)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from stepsync.core.errors import StepSyncError
+
+    if not dist.is_initialized():  # torchrun's ranks, else one process of its own
+        from stepsync.tools.tiny_run import cpu_distributed_env
+
+        cpu_distributed_env()
+        dist.init_process_group("gloo", rank=int(os.environ.get("RANK", 0)),
+                                world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    samples = per_rank * world
+
+    class OneWeightPerSample(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(samples, 1, bias=False)
+            torch.nn.init.zeros_(self.layer.weight)
+
+        def forward(self, rows):
+            return self.layer(rows)
+
+    model = OneWeightPerSample()
+    fully_shard(model.layer)
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    rows = torch.eye(samples)
+    loader = [rows[i * world + rank:i * world + rank + 1] for i in range(per_rank)]
+    run = ShardedLoopRun(world=world)
+    if policy is not None:
+        import stepsync
+
+        run.watch = stepsync.watch(model, optimizer=optimizer, policy=policy, dataloader=loader, num_epochs=epochs,
+                                   gradient_accumulation_steps=g, console=False)
+
+    def weights():
+        return model.layer.weight.full_tensor().detach().clone().flatten()
+
+    last = weights()
+    try:
+        for _ in range(epochs):
+            for i, batch in enumerate(loader):
+                model.set_requires_gradient_sync(SYNC_AT[sync_at](i, g, per_rank))
+                model(batch).sum().backward()
+                if (i + 1) % g == 0 or i + 1 == per_rank:
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    run.steps += 1
+                    now = weights()
+                    run.updates.append({j: round(-moved * world, 6) for j, moved in enumerate((now - last).tolist())
+                                        if abs(moved) > 1e-9})
+                    last = now
+    except StepSyncError as exc:
+        run.error = exc
+    if run.watch is not None:
+        run.watch.close()
+    return run

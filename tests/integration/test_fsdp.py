@@ -1,0 +1,106 @@
+"""stepsync.watch(model, optimizer=...) on an FSDP2 (fully_shard) loop in one process (gloo, one rank): what the
+watch asks, what it refuses, what it gives back, and the loop shapes around it. Two ranks, and the faults as the
+weights show them: tests/multiprocess/test_fsdp_two_ranks.py."""
+import pytest
+
+from harness.stack import needs_stack
+
+pytestmark = [needs_stack, pytest.mark.integration]
+
+
+def sharded():
+    """A tiny model sharded with fully_shard (one rank), and its optimizer."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from stepsync.tools.tiny_run import cpu_distributed_env
+
+    if not dist.is_initialized():
+        cpu_distributed_env()
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    fully_shard(model[0])
+    fully_shard(model)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_what_the_watch_needs_is_asked_for_by_name():
+    import stepsync
+
+    model, optimizer = sharded()
+    with pytest.raises(ValueError, match=r"needs the optimizer your loop steps: stepsync.watch\(model, "
+                                         r"optimizer=optimizer, gradient_accumulation_steps=G"):
+        stepsync.watch(model, gradient_accumulation_steps=2)
+    with pytest.raises(ValueError, match=r"^gradient_accumulation_steps=None: pass the micro-batches per "
+                                         r"optimizer.step\(\) your loop means"):
+        stepsync.watch(model, optimizer=optimizer)
+    with pytest.raises(ValueError, match=r"^policy 'realign' cannot change your loop's own count: use "
+                                         r"policy='sync' or policy='warn'$"):
+        stepsync.watch(model, optimizer=optimizer, gradient_accumulation_steps=2, policy="realign")
+    with pytest.raises(ValueError, match=r"^policy 'drop_last' cannot end your dataloader's epochs early"):
+        stepsync.watch(model, optimizer=optimizer, gradient_accumulation_steps=2, policy="drop_last")
+    with pytest.raises(ValueError, match="optimizer= is for a loop whose model is sharded with FSDP2"):
+        stepsync.watch(object(), optimizer=optimizer)
+
+
+def test_close_gives_back_every_method_and_hook_and_a_scheduler_on_the_optimizer_works():
+    """The LR scheduler is built after the watch, on the watched optimizer, as a loop builds it: it steps with it."""
+    import torch
+
+    import stepsync
+
+    model, optimizer = sharded()
+    fsdp_hooks = dict(model._forward_hooks)  # FSDP2's own
+    watch = stepsync.watch(model, optimizer=optimizer, gradient_accumulation_steps=2, dataloader=range(4),
+                           num_epochs=1, console=False, policy="sync")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    for i in range(4):
+        model(torch.ones(1, 4)).sum().backward()
+        if i % 2:
+            optimizer.step(), scheduler.step(), optimizer.zero_grad()
+    report = watch.close()
+    assert scheduler.last_epoch == 2 and optimizer.param_groups[0]["lr"] == pytest.approx(0.1 / 3)
+    assert (report.trainer_steps, report.engine_steps, report.unsynced_updates, report.events) == (2, 2, [], [])
+    assert "set_requires_gradient_sync" not in vars(model) and "step" not in vars(optimizer)
+    assert dict(model._forward_hooks) == fsdp_hooks
+
+
+def test_an_evaluation_between_epochs_is_no_micro_batch():
+    """The loop evaluates after each epoch (model.eval(), forward under no_grad): the watch counts only training."""
+    import torch
+
+    import stepsync
+
+    model, optimizer = sharded()
+    watch = stepsync.watch(model, optimizer=optimizer, gradient_accumulation_steps=2, dataloader=range(3),
+                           num_epochs=2, console=False)
+    for _ in range(2):
+        model.train()
+        for i in range(3):
+            model.set_requires_gradient_sync(i in (1, 2))
+            model(torch.ones(1, 4)).sum().backward()
+            if i in (1, 2):
+                optimizer.step(), optimizer.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            model(torch.ones(1, 4))
+    report = watch.close()
+    assert [(row.trainer_steps, row.engine_steps, row.micro_batches) for row in report.epochs] == [(2, 2, 3),
+                                                                                                   (4, 4, 3)]
+    assert report.unsynced_updates == [] and report.forecast_mismatches == []
+
+
+def test_check_forecasts_the_loops_updates():
+    import json
+
+    from harness.cli import stepsync
+    from harness.fsdp_loops import run_sharded_loop
+
+    run = run_sharded_loop(5, 2, 2, "last", "warn")
+    proc = stepsync("check", "--framework", "fsdp", "--micro-batches-per-epoch", "5", "--gas", "2", "--epochs", "2",
+                    "--json")
+    forecast = json.loads(proc.stdout)
+    assert proc.returncode == 0 and forecast["trainer_steps"] == forecast["engine_steps"] == run.steps == 6
+    assert [[row["trainer_steps"], row["engine_steps"]] for row in forecast["epochs"]] == [
+        [row.trainer_steps, row.engine_steps] for row in run.watch.report.epochs]
