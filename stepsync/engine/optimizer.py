@@ -5,7 +5,7 @@ framework's count is held against the updates really made, and a step fp16's Gra
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .deepspeed import EngineFacts
 
@@ -28,15 +28,24 @@ class OptimizerSteps:
 
     Attributes:
         global_steps: ``start`` plus every step the optimizer took since.
-        facts: what a run learns of it: no boundary to steer, no skip counter, no ZeRO stage or precision.
+        facts: what a run learns of it: no boundary to steer, no skip counter, no ZeRO stage or precision; the
+            data-parallel ranks of the process group.
+        module: the model the framework trains, where the adapter gives it (the checks that read its output and
+            each token's weight hook it); None elsewhere.
+        device: where the model's parameters are (a collective across ranks runs there).
     """
 
-    __slots__ = ("global_steps", "_handle")
-    facts = EngineFacts(None, False, NOT_AN_ENGINE, counts_skips=False, deepspeed=False)
+    __slots__ = ("global_steps", "_handle", "module", "facts", "device", "_boundary")
 
-    def __init__(self, optimizer: Any, start: int) -> None:
+    def __init__(self, optimizer: Any, start: int, module: Any = None,
+                 boundary: Optional[Callable[[], bool]] = None) -> None:
         self.global_steps = start
         self._handle = optimizer.register_step_post_hook(self._stepped)
+        self.module, self._boundary = module, boundary
+        self.facts = EngineFacts(None, False, NOT_AN_ENGINE, counts_skips=False, deepspeed=False,
+                                 data_parallel_size=_ranks())
+        parameter = next(iter(getattr(module, "parameters", lambda: ())()), None)
+        self.device = getattr(parameter, "device", "cpu")
 
     def _stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.global_steps += 1
@@ -44,8 +53,31 @@ class OptimizerSteps:
     def stop_counting(self) -> None:
         self._handle.remove()
 
+    @property
+    def tells_its_windows(self) -> bool:
+        """The framework says, at each backward, whether it closes its window (the token check needs it)."""
+        return self._boundary is not None and self.module is not None
 
-def count_optimizer_steps(optimizer: Any, start: int) -> Optional[OptimizerSteps]:
-    """An :class:`OptimizerSteps` on the torch optimizer inside ``optimizer``, or None where there is none."""
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the running backward closes the framework's window, as the framework says."""
+        return bool(self._boundary()) if self._boundary is not None else False
+
+    def register_forward_hook(self, hook: Callable[..., Any]) -> Any:
+        """A forward hook on the model (as on a DeepSpeed engine, which is the model's wrapper)."""
+        return self.module.register_forward_hook(hook)
+
+
+def _ranks() -> int:
+    """The ranks of the default process group (1 without one); torch is imported only where it is loaded."""
+    import sys
+
+    dist = getattr(sys.modules.get("torch"), "distributed", None)
+    return dist.get_world_size() if dist is not None and dist.is_available() and dist.is_initialized() else 1
+
+
+def count_optimizer_steps(optimizer: Any, start: int, module: Any = None,
+                          boundary: Optional[Callable[[], bool]] = None) -> Optional[OptimizerSteps]:
+    """An :class:`OptimizerSteps` on the torch optimizer inside ``optimizer``, or None where there is none;
+    ``module`` and ``boundary``: the model and the framework's word on its windows, for the checks that need them."""
     inner = innermost_optimizer(optimizer)
-    return OptimizerSteps(inner, start) if inner is not None else None
+    return OptimizerSteps(inner, start, module, boundary) if inner is not None else None

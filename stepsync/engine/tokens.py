@@ -216,8 +216,11 @@ class TokenWeights:
 
 def watch_tokens(run: Any, expected: Normalisation, fix: str) -> Optional[TokenWeights]:
     """Read each token's weight in ``run`` where its engine's module has output embeddings; None where it has
-    none (the report's ``token_weighting`` stays None) or where DeepSpeed does not make the updates."""
-    if not run.facts.deepspeed or not hasattr(run.engine, "is_gradient_accumulation_boundary"):
+    none (the report's ``token_weighting`` stays None) or where neither DeepSpeed nor the framework says where a
+    window ends (a run without DeepSpeed whose adapter gives no word on it)."""
+    if not (run.facts.deepspeed or getattr(run.engine, "tells_its_windows", False)):
+        run.voice.not_checked("loss normalisation: not read: without DeepSpeed this framework does not say where "
+                              "its windows end")
         return None
     head = output_embeddings(getattr(run.engine, "module", None))
     if head is None:

@@ -87,7 +87,7 @@ class ShardedWatch(UserLoopWatch):
         behaviour = self._installed()
         if behaviour is None:
             return
-        steps = count_optimizer_steps(self.optimizer, 0)
+        steps = count_optimizer_steps(self.optimizer, 0, self.model, lambda: self._sync)
         if steps is None:
             raise StepSyncConfigError("stepsync.watch(model, optimizer=...) needs the torch optimizer your loop "
                                       f"steps; {type(self.optimizer).__name__} has no step hooks")

@@ -162,7 +162,8 @@ class StepSyncCallback(*_CALLBACK_BASES, FrameworkWatch):  # type: ignore[misc] 
             missing = ("DeepSpeed is configured but no engine with global_steps was found (trainer.model_wrapped); "
                        "stepsync cannot check this run")
         else:  # DDP, FSDP, one device: the updates are the optimizer's steps
-            engine = count_optimizer_steps(getattr(trainer, "optimizer", None), state.global_step)
+            engine = count_optimizer_steps(getattr(trainer, "optimizer", None), state.global_step,
+                                           getattr(trainer, "model", None), trainer_facts.window_ends(trainer))
             missing = "the Trainer has no torch optimizer (trainer.optimizer) whose steps stepsync can count"
         if engine is None:
             return self._deactivate(missing, logging.WARNING, args, state)

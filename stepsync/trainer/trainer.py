@@ -8,7 +8,7 @@ import dataclasses
 import os
 import sys
 from types import FrameType
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from ..core.frameworks import TRAINER
 from ..core.record import ResumeRecord, load_record, read_json, record_in_trainer_state, save_record
@@ -143,6 +143,15 @@ def layout_of(args: Any, engine: Any, examples: Optional[int]) -> Optional[Layou
     world = getattr(engine, "dp_world_size", None) or args.world_size
     return Layout(int(world), args.per_device_train_batch_size, args.gradient_accumulation_steps, examples,
                   stage() if callable(stage) else None, getattr(args, "dataloader_drop_last", False) is True)
+
+
+def window_ends(trainer: Any) -> Optional[Callable[[], bool]]:
+    """Whether the Trainer's running micro-batch closes its window, read at its backward: accelerate's
+    ``sync_gradients``, which the Trainer sets before each micro-batch (None where its accelerator has none)."""
+    state = getattr(getattr(trainer, "accelerator", None), "gradient_state", None)
+    if state is None or not hasattr(state, "sync_gradients"):
+        return None
+    return lambda: state.sync_gradients
 
 
 def uses_deepspeed(trainer: Any, args: Any) -> bool:

@@ -271,11 +271,12 @@ class IgnoresItems:
 def run_trainer_tokens(output_dir: str, counts: Sequence[int], gas: int, model: str = "transformers",
                        policy: Optional[str] = "warn", stage: int = 0, declared: str = "token_mean",
                        bf16: bool = False, accepts_loss_kwargs: Optional[bool] = None,
-                       compute_loss_func=None) -> TokenRun:
+                       compute_loss_func=None, deepspeed: bool = True) -> TokenRun:
     """The Trainer on one window (its first ``gas`` micro-batches, in order), SGD at lr 1, no clipping.
     ``model="transformers"``: the model itself (its loss divides by ``num_items_in_batch``); ``"ignores"``: a
     model whose forward takes ``**kwargs`` and ignores it (:class:`IgnoresItems`). ``accepts_loss_kwargs`` is set on
-    the model where given; ``compute_loss_func`` is handed to the Trainer (the user's own loss)."""
+    the model where given; ``compute_loss_func`` is handed to the Trainer (the user's own loss); ``deepspeed=False``:
+    the Trainer alone (one process, its own optimizer)."""
     cpu_distributed_env()
     import torch
     from transformers import Trainer, TrainerCallback
@@ -286,6 +287,14 @@ def run_trainer_tokens(output_dir: str, counts: Sequence[int], gas: int, model: 
     class InOrder(Trainer):
         def _get_train_sampler(self, *args, **kwargs):
             return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    if not deepspeed:  # accelerate keeps one state per process: an earlier run's DeepSpeed plugin must not carry over
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        for name in [name for name in os.environ if name.startswith(("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED"))]:
+            os.environ.pop(name)  # TrainingArguments(deepspeed=...) sets them for the process
 
     net = tiny_causal_lm()
     dataset = CountedDataset(counts)
@@ -306,7 +315,7 @@ def run_trainer_tokens(output_dir: str, counts: Sequence[int], gas: int, model: 
                          deepspeed={"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                                     "gradient_clipping": "auto", "zero_optimization": {"stage": stage},
                                     "zero_allow_untested_optimizer": True,
-                                    **({"bf16": {"enabled": "auto"}} if bf16 else {})})
+                                    **({"bf16": {"enabled": "auto"}} if bf16 else {})} if deepspeed else False)
     callbacks = [FirstUpdate()]
     watching = stepsync.StepSyncCallback(policy, console=False, loss_normalisation=declared) if policy else None
     if watching is not None:

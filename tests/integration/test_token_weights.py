@@ -169,6 +169,21 @@ def test_the_trainer_with_a_model_that_ignores_num_items_in_batch_sums_each_micr
         assert named.total == pytest.approx(4.0, rel=1e-3) and "(G = 4: the window is summed" in said
 
 
+@pytest.mark.parametrize("model, rule", [("ignores", "micro_batch_mean"), ("transformers", "token_mean")])
+def test_the_trainer_without_deepspeed_is_named_by_its_loss_too(tmp_path, model, rule):
+    """The Trainer alone (one process, its own SGD): where the window ends is accelerate's sync_gradients, read at
+    each backward; a model that ignores num_items_in_batch sums each micro-batch's mean (G times the window's
+    token mean for equal micro-batches), named and warned as with DeepSpeed, a transformers model's loss is the
+    token mean and nothing is warned."""
+    transformers_stack()
+    from harness.token_runs import run_trainer_tokens
+
+    run = run_trainer_tokens(str(tmp_path), COUNTS, 4, model=model, deepspeed=False)
+    assert run.error is None and run.report.updater == "optimizer"
+    assert agrees_with_the_truth(run) == rule
+    assert bool(warned(run)) == (rule != "token_mean")
+
+
 def test_accepts_loss_kwargs_false_makes_the_trainer_average_each_micro_batchs_mean(tmp_path):
     """The fix the warning above offers, run: the Trainer then divides each micro-batch's own mean by G (the
     micro-batch mean rule at scale 1), which a run declaring that rule finds as expected."""
