@@ -115,8 +115,9 @@ class BackwardCall(str, Enum):
     def backward(self, engine: Any, loss: Any, g: int, items_counted: bool = False) -> None:
         """Hand one micro-batch's ``loss`` to ``engine`` as this framework does (``g``: its G); ``items_counted``:
         the Trainer passes num_items_in_batch to a model that takes it, and then does not divide by G itself."""
-        if self is BackwardCall.TRAINER:
-            engine.backward(loss if items_counted else loss / g, scale_wrt_gas=False)
+        if self is BackwardCall.TRAINER:  # a new tensor, as the Trainer's (loss times the ranks): DeepSpeed's
+            # hooks on the model's own output (0.18.3 on) divide that tensor by G whatever scale_wrt_gas says
+            engine.backward(loss * 1 if items_counted else loss / g, scale_wrt_gas=False)
         elif self is BackwardCall.LIGHTNING:
             engine.backward(loss / g)
         else:

@@ -87,8 +87,10 @@ def _holds_checkpoints(path: str) -> bool:
         entries = [(name, os.path.join(path, name)) for name in os.listdir(path)]
     except OSError:
         return False
+    # A Trainer checkpoint's own DeepSpeed tag (global_stepN inside it) is not a checkpoint of its own.
+    trainers = os.path.isfile(os.path.join(path, TRAINER_STATE))
     return any(os.path.isdir(inner) and (step_of(name) is not None or RAY_CHECKPOINT.match(name)
-                                         or is_loop_checkpoint(inner) or is_engine_checkpoint(inner))
+                                         or is_loop_checkpoint(inner) or (is_engine_checkpoint(inner) and not trainers))
                for name, inner in entries)
 
 

@@ -73,7 +73,7 @@ def main(out, name, storage, workers, gas, policy, stop_at=0, settings=False):
     try:
         trainer.fit()
     except Exception as exc:  # the fault asked for; the workers' files say what they trained
-        print(f"fit ended: {type(exc).__name__}", flush=True)
+        print(f"fit ended: {type(exc).__name__}: {str(exc)[-2500:]}", flush=True)
     ray.shutdown()
 
 

@@ -45,9 +45,16 @@ def test_rays_storage_is_read_by_step(tmp_path):
 
 
 def test_one_ray_checkpoint_is_found_from_its_folder_or_the_one_inside(tmp_path):
+    """Its DeepSpeed tag inside (global_step4, as the Trainer saves it) is part of it, not a checkpoint of its own:
+    Ray's checkpoint/ is not named checkpoint-N."""
     job = ray_storage(tmp_path, steps=(4,))
     (outer,) = [p for p in job.iterdir() if p.is_dir()]
+    tag = outer / "checkpoint" / "global_step4"
+    tag.mkdir()
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (outer / "checkpoint" / "latest").write_text("global_step4")
     assert locate(str(outer)) == locate(str(outer / "checkpoint")) == (outer.name, str(outer / "checkpoint"), 4, "trainer")
+    assert stepsync.resume_settings(str(outer / "checkpoint"), 2, 1, 4, examples=12).lands_exactly
 
 
 def test_a_ray_folder_whose_state_is_missing_is_a_problem_not_a_crash(tmp_path):
