@@ -25,12 +25,18 @@ def cpu_distributed_env() -> None:
                          f"deepspeed-{installed_version('deepspeed')}-{here}")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", cache)
     skip_shared_memory_op()
-    if "RANK" in os.environ:
-        return
+    if "RANK" in os.environ and os.environ.get("MASTER_PORT") != _OWN_PORT[0]:
+        return  # a launcher's rank keeps its rendezvous
+    # A free port for each process group this process starts: one kept for a whole session can be taken meanwhile by
+    # another process (a test lane beside it), and the next group would fail to listen there.
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        port = str(sock.getsockname()[1])
+    _OWN_PORT[0] = port
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+
+
+_OWN_PORT = [""]  # the port cpu_distributed_env chose last in this process
 
 
 def skip_shared_memory_op() -> None:
