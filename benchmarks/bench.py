@@ -9,7 +9,9 @@ interleaved runs (A B A B ...) and the median of the per-pair ratios; (c) the wa
 `import stepsync`, and whether that import pulled in torch or deepspeed; (d) the forecast of 10^6
 micro-batches per epoch over 100 epochs; (e) the resume check; (f) `stepsync.watch(engine)` in loops that drive
 DeepSpeed's engine themselves: each hook's median and the share of the loop's time spent in them; (g) reading each
-token's weight at the logits: its cost per micro-batch against a forward and backward, and what it takes of a run.
+token's weight at the logits: its cost per micro-batch against a forward and backward, and what it takes of a run;
+(h) the ranks' weights compared; (i) `stepsync.watch(model, optimizer=...)` on an FSDP2 loop: each hook's median and
+the share of the loop's time.
 """
 from __future__ import annotations
 
@@ -297,6 +299,62 @@ def measure_engine_watch(micro_batches: int, gas: int):
     return rows
 
 
+SHARDED_HOOKS = ("_forward_hook", "_backward", "_before_step", "_after_step")
+
+
+def measure_sharded_watch(micro_batches: int, gas: int):
+    """(i): a torch-native loop whose model is sharded with FSDP2 (``fully_shard`` on each block of the tiny GPT-2 and
+    on its root; one rank, gloo, CPU), the gradient sync on at each window's last micro-batch, one run per policy:
+    each hook's median (us) and the share of the loop's wall time spent in all of them."""
+    import logging
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import stepsync
+    from stepsync.fsdp.watch import ShardedWatch
+    from stepsync.tools.tiny_run import TinyDataset, cpu_distributed_env, tiny_model
+
+    logging.getLogger("stepsync").setLevel(logging.CRITICAL)
+    if not dist.is_initialized():
+        cpu_distributed_env()
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    data = TinyDataset(micro_batches)
+    batches = [{key: value.unsqueeze(0) for key, value in data[i].items()} for i in range(micro_batches)]
+    rows = []
+    for policy in ("warn", "raise", "sync"):
+        samples = {name: [] for name in SHARDED_HOOKS}
+        originals = {name: getattr(ShardedWatch, name) for name in SHARDED_HOOKS}
+        for name in SHARDED_HOOKS:  # on the class: the forward hook is registered as the watch starts
+            setattr(ShardedWatch, name, TimedCallback._timed(originals[name], samples[name]))
+        try:
+            model = tiny_model()
+            for block in model.transformer.h:
+                fully_shard(block)
+            fully_shard(model)
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+            watch = stepsync.watch(model, optimizer=optimizer, policy=policy, dataloader=batches, num_epochs=1,
+                                   gradient_accumulation_steps=gas, console=False)
+            start = time.perf_counter_ns()
+            for i, batch in enumerate(batches):
+                last = (i + 1) % gas == 0
+                model.set_requires_gradient_sync(last)
+                model(**batch).loss.backward()
+                if last:
+                    optimizer.step()
+                    optimizer.zero_grad()
+            loop_ns = time.perf_counter_ns() - start
+            watch.close()
+        finally:
+            for name, original in originals.items():
+                setattr(ShardedWatch, name, original)
+        hooks_ns = sum(sum(taken) for taken in samples.values())
+        medians = {name: statistics.median(taken) / 1000 if taken else 0.0 for name, taken in samples.items()}
+        rows.append((policy, medians, hooks_ns / micro_batches / 1000, 1 - hooks_ns / loop_ns))
+    return rows
+
+
 def measure_token_reading(repeats: int):
     """(g): ``stepsync.engine.tokens.sequence_weights`` on the gradient at the logits, per micro-batch (median us),
     against the micro-batch's own forward and backward: the tiny GPT-2 the runs above train (8 positions, 64
@@ -469,6 +527,18 @@ def main(argv=None) -> int:
                             f"{GOALS['hook_median_us']} us")
         if share < GOALS["throughput_ratio"]:
             failures.append(f"engine watch {shape} {policy} share {share:.4f} < {GOALS['throughput_ratio']}")
+
+    sharded_rows = measure_sharded_watch(whole, args.gas)
+    print(f"\n(i) stepsync.watch(model, optimizer=...) on an FSDP2 loop (fully_shard, one rank, gloo), {whole} "
+          f"micro-batches, G={args.gas}, the sync on at each window's last: each hook's median (us), the watch's us "
+          "per micro-batch and the share of the loop's time")
+    print(f"{'policy':<7} " + " ".join(f"{name.strip('_'):>14}" for name in SHARDED_HOOKS)
+          + f" {'us/micro-batch':>15} {'share':>7}")
+    for policy, medians, per_micro_batch, share in sharded_rows:
+        print(f"{policy:<7} " + " ".join(f"{medians[name]:>14.2f}" for name in SHARDED_HOOKS)
+              + f" {per_micro_batch:>15.2f} {share:>7.4f}")
+        if share < GOALS["throughput_ratio"]:
+            failures.append(f"FSDP2 watch {policy} share {share:.4f} < {GOALS['throughput_ratio']}")
 
     from stepsync.engine.tokens import WINDOWS_READ
 

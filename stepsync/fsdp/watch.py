@@ -44,9 +44,18 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _grad_enabled() -> bool:
+    import torch  # loaded already: the model is torch's
+
+    return torch.is_grad_enabled()
+
+
 def _grad_tensor(output: Any) -> Any:
-    """The first tensor of a model's output that backward runs through (a tensor, or one in a tuple, list or dict);
-    None where there is none."""
+    """The first tensor of a model's output that backward runs through (its ``loss`` first, as a transformers model
+    returns it; else a tensor, or one in a tuple, list or dict); None where there is none."""
+    loss = getattr(output, "loss", None)
+    if getattr(loss, "requires_grad", False):
+        return loss
     if hasattr(output, "requires_grad"):
         return output if output.requires_grad else None
     values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
@@ -135,9 +144,7 @@ class ShardedWatch(UserLoopWatch):
     # ------------------------------------------------------------ every micro-batch
 
     def _forward_hook(self, module: Any, args: Any, output: Any) -> None:
-        import torch
-
-        if not module.training or not torch.is_grad_enabled():  # an evaluation's forward: no micro-batch
+        if not module.training or not _grad_enabled():  # an evaluation's forward: no micro-batch
             return
         tensor = _grad_tensor(output)
         if tensor is None:
@@ -153,8 +160,9 @@ class ShardedWatch(UserLoopWatch):
         if run.policy.steers_the_boundary:
             position = run.position + 1
             ends = position % run.g == 0 or (run.n is not None and position == run.n)
-            self._set_sync(ends)
-            self._sync = ends
+            if ends != self._sync:  # set where it changes only: FSDP2 walks every sharded module to set it
+                self._set_sync(ends)
+                self._sync = ends
 
     @guarded(steering=True)
     def _backward(self, run: Run, sync: bool) -> None:
