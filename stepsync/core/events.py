@@ -238,16 +238,18 @@ class LostGradients:
 class UnsyncedUpdate:
     """An update whose gradients are not those of the window the loop closed, because of where the gradient sync
     was on: FSDP2 (``set_requires_gradient_sync``) and DDP (``no_sync()``) keep a micro-batch's gradient unreduced
-    until a backward with the sync on, so an update holds what was reduced since the last one: micro-batches of
-    earlier windows, and none of those after the window's last synced backward.
+    until a backward with the sync on, so an update holds, averaged across ranks, what was reduced since the last one.
+    The window's micro-batches after its last synced backward wait for a later update under FSDP2 (or for none); DDP
+    applies them at once, each on its own rank alone, so the ranks' weights part.
 
     Attributes:
         epoch: 1-based epoch.
         micro_batch: the micro-batch of that epoch at which the loop called ``optimizer.step()``.
         update: the number of that update (policy 'raise' stops before it is made).
         window: the micro-batches the loop gave it (its backward() calls since its last step).
-        held: of those, the ones the update holds.
-        from_earlier: micro-batches of earlier windows it holds as well.
+        held: of those, the ones the update holds, reduced across ranks.
+        from_earlier: micro-batches of earlier windows it holds as well (FSDP2).
+        applied_alone: the window's micro-batches it does not hold are applied on their own rank only (DDP).
     """
 
     epoch: int
@@ -256,23 +258,33 @@ class UnsyncedUpdate:
     window: int
     held: int
     from_earlier: int
+    applied_alone: bool = False
 
     @property
     def left(self) -> int:
-        """The window's micro-batches the update leaves for a later one (or none, where the sync never comes)."""
+        """The window's micro-batches the update does not hold reduced: left for a later update (or none, where the
+        sync never comes), or applied unreduced on their own rank (DDP)."""
         return self.window - self.held
 
     def __str__(self) -> str:
         where = f"update {self.update} at epoch {self.epoch}, micro-batch {self.micro_batch}"
+        fix = ("run each window's other micro-batches under model.no_sync() and its last without it"
+               if self.applied_alone else "model.set_requires_gradient_sync(is_last) before its forward")
         if not self.held and not self.from_earlier:
-            return (f"{where} received no gradient: the gradient sync was off for all {self.window} micro-batches "
-                    "your loop gave it, so the optimizer applied nothing; turn the sync on for the last micro-batch "
-                    "of each window (model.set_requires_gradient_sync(is_last))")
+            applied = ("each rank applied its own micro-batches alone, unreduced, and the ranks' weights part"
+                       if self.applied_alone else "the optimizer applied nothing")
+            return (f"{where} received no reduced gradient: the gradient sync was off for all {self.window} "
+                    f"micro-batches your loop gave it, so {applied}; turn the sync on for the last micro-batch of "
+                    f"each window ({fix})")
         parts = []
-        if self.left:
+        if self.left and self.applied_alone:
+            parts.append(f"{self.left} of the {self.window} micro-batches your loop gave it are applied unreduced, "
+                         "each on its own rank alone (the sync was off after its last synced backward), and the "
+                         "ranks' weights part")
+        elif self.left:
             parts.append(f"{self.left} of the {self.window} micro-batches your loop gave it wait unreduced for a "
                          "later update (the sync was off after its last synced backward)")
         if self.from_earlier:
             parts.append(f"it holds {self.from_earlier} micro-batch(es) of earlier windows")
-        return (f"{where}: " + "; ".join(parts) + "; turn the sync on for the last micro-batch of each window "
-                "only (model.set_requires_gradient_sync(is_last) before its forward)")
+        return (f"{where}: " + "; ".join(parts) + "; turn the sync on for the last micro-batch of each window only "
+                f"({fix})")

@@ -344,7 +344,13 @@ FSDP_LOOP = Framework(
                      "drop each epoch's partial window in your loop")),
     packages=("torch",))
 
-FRAMEWORKS = (TRAINER, LIGHTNING, ACCELERATE_LOOP, FABRIC_LOOP, DEEPSPEED_LOOP, FSDP_LOOP)
+# The same loop around a DistributedDataParallel model: the window's other micro-batches run under model.no_sync().
+DDP_LOOP = replace(
+    FSDP_LOOP, name="your DDP loop", key="ddp",
+    remedy="use stepsync.watch(model, optimizer=..., policy='sync'), which turns DDP's gradient sync on at the last "
+           "micro-batch of each of your loop's windows (as if the others ran under model.no_sync())")
+
+FRAMEWORKS = (TRAINER, LIGHTNING, ACCELERATE_LOOP, FABRIC_LOOP, DEEPSPEED_LOOP, FSDP_LOOP, DDP_LOOP)
 _REGISTERED: List[Framework] = []  # frameworks described outside stepsync, by register()
 
 

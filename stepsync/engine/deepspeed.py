@@ -200,8 +200,14 @@ def held_weights(engine: Any) -> Tuple[List[Any], bool, bool]:
         if isinstance(flat, list) and flat:  # a rank's ZeRO-3 partition may be empty: it still all-reduces
             return [t for t in flat if t is not None and t.numel()], True, partitioned
     module = getattr(engine, "module", None)
-    partitioned = any(hasattr(p, "ds_tensor") for p in module.parameters()) if module is not None else False
+    partitioned = any(map(_partitioned, module.parameters())) if module is not None else False
     return (list(module.parameters()) if module is not None else []), False, partitioned
+
+
+def _partitioned(parameter: Any) -> bool:
+    """Each rank holds only its part of the parameter: ZeRO-3's, or a DTensor sharded across ranks (FSDP2)."""
+    return hasattr(parameter, "ds_tensor") or any(placement.is_shard()
+                                                  for placement in getattr(parameter, "placements", ()))
 
 
 class WeightFingerprint:

@@ -33,15 +33,17 @@ class OptimizerSteps:
         module: the model the framework trains, where the adapter gives it (the checks that read its output and
             each token's weight hook it); None elsewhere.
         device: where the model's parameters are (a collective across ranks runs there).
+        compares_ranks: every rank calls the run's epoch ends and checkpoints together (a loop the watch sees
+            whole), so the ranks' copies of the weights can be compared there.
     """
 
-    __slots__ = ("global_steps", "_handle", "module", "facts", "device", "_boundary")
+    __slots__ = ("global_steps", "_handle", "module", "facts", "device", "_boundary", "compares_ranks")
 
     def __init__(self, optimizer: Any, start: int, module: Any = None,
-                 boundary: Optional[Callable[[], bool]] = None) -> None:
+                 boundary: Optional[Callable[[], bool]] = None, compares_ranks: bool = False) -> None:
         self.global_steps = start
         self._handle = optimizer.register_step_post_hook(self._stepped)
-        self.module, self._boundary = module, boundary
+        self.module, self._boundary, self.compares_ranks = module, boundary, compares_ranks
         self.facts = EngineFacts(None, False, NOT_AN_ENGINE, counts_skips=False, deepspeed=False,
                                  data_parallel_size=_ranks())
         parameter = next(iter(getattr(module, "parameters", lambda: ())()), None)
@@ -76,8 +78,10 @@ def _ranks() -> int:
 
 
 def count_optimizer_steps(optimizer: Any, start: int, module: Any = None,
-                          boundary: Optional[Callable[[], bool]] = None) -> Optional[OptimizerSteps]:
+                          boundary: Optional[Callable[[], bool]] = None,
+                          compares_ranks: bool = False) -> Optional[OptimizerSteps]:
     """An :class:`OptimizerSteps` on the torch optimizer inside ``optimizer``, or None where there is none;
-    ``module`` and ``boundary``: the model and the framework's word on its windows, for the checks that need them."""
+    ``module``, ``boundary`` and ``compares_ranks``: as :class:`OptimizerSteps` takes them, for the checks that need
+    them."""
     inner = innermost_optimizer(optimizer)
-    return OptimizerSteps(inner, start, module, boundary) if inner is not None else None
+    return OptimizerSteps(inner, start, module, boundary, compares_ranks) if inner is not None else None

@@ -1,12 +1,14 @@
 """``stepsync.watch(model, optimizer=...)``: the check, and the fix, for a torch-native loop whose model is sharded
-with FSDP2 (``fully_shard``).
+with FSDP2 (``fully_shard``) or replicated with DDP (``DistributedDataParallel``).
 
 Such a loop accumulates G micro-batches per update by turning the gradient sync off for all but the window's last
 backward (``model.set_requires_gradient_sync(is_last)``): a backward with the sync off keeps its gradient unreduced,
 one with the sync on reduces every gradient kept since, and ``optimizer.step()`` applies what was reduced. Where the
 sync is on decides which micro-batches an update holds, and nothing in FSDP2 says so: with the sync never turned on
 every update applies nothing (no error, the sharded gradients are None); turned on at a window's first micro-batch,
-the rest of the window waits for the next update.
+the rest of the window waits for the next update. A DDP loop runs the window's other micro-batches under
+``model.no_sync()``; DDP reads the sync at each forward, and an update applies the micro-batches after the window's
+last synced backward on their own rank alone, so the ranks' weights part.
 
 The watch wraps the model instance's ``set_requires_gradient_sync`` (the sync in force), a forward hook on the model
 (each training micro-batch, its backward read at its output's gradient) and the optimizer's ``step``: before each
@@ -21,7 +23,7 @@ from typing import Any, Optional, Union
 from ..core.choices import Policy
 from ..core.errors import StepSyncConfigError
 from ..core.events import UnsyncedUpdate
-from ..core.frameworks import FSDP_LOOP
+from ..core.frameworks import DDP_LOOP, FSDP_LOOP
 from ..core.plan import RunPlan
 from ..core.tokens import Normalisation
 from ..engine.faults import guarded
@@ -36,6 +38,11 @@ from ..engine.watch import NO_LENGTH, UserLoopWatch
 def is_sharded(model: Any) -> bool:
     """A module ``fully_shard`` made (it has FSDP2's gradient sync switch)."""
     return callable(getattr(model, "set_requires_gradient_sync", None))
+
+
+def is_replicated(model: Any) -> bool:
+    """A ``DistributedDataParallel`` module (DDP's gradient sync switch and its ``no_sync()``)."""
+    return hasattr(model, "require_backward_grad_sync") and callable(getattr(model, "no_sync", None))
 
 
 def _rank() -> int:
@@ -77,6 +84,7 @@ class ShardedWatch(UserLoopWatch):
     """
 
     framework = FSDP_LOOP
+    keeps_unreduced = True  # a backward with the sync off leaves its gradient for the next synced one, past a step
 
     def __init__(self, model: Any, optimizer: Any, policy: Union[str, Policy], dataloader: Any,
                  num_epochs: Optional[float], gradient_accumulation_steps: int, console: Any,
@@ -89,14 +97,14 @@ class ShardedWatch(UserLoopWatch):
         self._from_earlier = 0  # micro-batches of earlier windows reduced since the last step
         self._waiting = 0  # micro-batches of earlier windows still unreduced
         self._reported_micro_batch = True  # the last backward's micro-batch is in the run's count
-        self._hook: Any = None
+        self._hooks: list = []
         self._start(dataloader, num_epochs, gradient_accumulation_steps)
 
     def _start(self, dataloader: Any, num_epochs: Optional[float], g: int) -> None:
         behaviour = self._installed()
         if behaviour is None:
             return
-        steps = count_optimizer_steps(self.optimizer, 0, self.model, lambda: self._sync)
+        steps = count_optimizer_steps(self.optimizer, 0, self.model, self._sync_in_force, compares_ranks=True)
         if steps is None:
             raise StepSyncConfigError("stepsync.watch(model, optimizer=...) needs the torch optimizer your loop "
                                       f"steps; {type(self.optimizer).__name__} has no step hooks")
@@ -104,23 +112,33 @@ class ShardedWatch(UserLoopWatch):
         plan = None if n is None or num_epochs is None else RunPlan(n, g, num_epochs)
         # sync is this watch's own steering (the gradient sync): the run's action only watches
         action = WatchOnly(self.policy) if self.policy.steers_the_boundary else action_for(self.policy)
-        run = self._open(RunStart(FSDP_LOOP, self.policy, steps, behaviour, n, g, self.output, is_main=_rank() == 0,
-                                  plan=plan, action=action, loss_normalisation=self.loss_normalisation))
+        run = self._open(RunStart(self.framework, self.policy, steps, behaviour, n, g, self.output,
+                                  is_main=_rank() == 0, plan=plan, action=action,
+                                  loss_normalisation=self.loss_normalisation))
         if n is None:
             run.voice.note(NO_LENGTH)
         self._wrap()
 
-    def _wrap(self) -> None:
-        model = self.model
-        set_sync = model.set_requires_gradient_sync
-        self._set_sync = set_sync
+    def _sync_in_force(self) -> bool:
+        """Whether the running (or next) backward reduces the gradients kept since the last that did."""
+        return self._sync
+
+    def _set_sync(self, on: bool) -> None:
+        self._set_requires_gradient_sync(on)
+        self._sync = on
+
+    def _watch_the_sync(self) -> None:
+        set_sync = self._set_requires_gradient_sync = self.model.set_requires_gradient_sync
 
         def watched_set_sync(requires_gradient_sync: bool, *args: Any, **kwargs: Any) -> Any:
             result = set_sync(requires_gradient_sync, *args, **kwargs)
             self._sync = bool(requires_gradient_sync)
             return result
 
-        self._patches.set(model, "set_requires_gradient_sync", watched_set_sync)
+        self._patches.set(self.model, "set_requires_gradient_sync", watched_set_sync)
+
+    def _wrap(self) -> None:
+        self._watch_the_sync()
         step = self.optimizer.step
 
         def watched_step(*args: Any, **kwargs: Any) -> Any:
@@ -130,12 +148,14 @@ class ShardedWatch(UserLoopWatch):
             return result
 
         self._patches.set(self.optimizer, "step", watched_step, as_method=True)
-        self._hook = model.register_forward_hook(self._forward_hook)
+        if self.policy.steers_the_boundary:
+            self._hooks.append(self.model.register_forward_pre_hook(self._steer))
+        self._hooks.append(self.model.register_forward_hook(self._forward_hook))
 
     def _undo_steering(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
 
     def close(self) -> Any:
         self._undo_steering()
@@ -150,19 +170,25 @@ class ShardedWatch(UserLoopWatch):
         if tensor is None:
             return
         self._before_backward()
-        sync = self._sync
+        sync = self._sync_in_force()
         tensor.register_hook(lambda grad: self._backward(sync))
+
+    @guarded(steering=True)
+    def _steer(self, run: Run, module: Any, args: Any) -> None:
+        """Under ``sync``, before a training micro-batch's forward: the sync on where it ends one of the loop's
+        windows (every G-th micro-batch of an epoch and its last), off elsewhere."""
+        if not module.training or not _grad_enabled():
+            return
+        done = run.position + (not self._reported_micro_batch)  # the last micro-batch is counted at the next
+        position = 1 if run.n is not None and done >= run.n else done + 1
+        ends = position % run.g == 0 or position == run.n
+        if ends != self._sync_in_force():  # set where it changes only: FSDP2 walks every sharded module to set it
+            self._set_sync(ends)
 
     @guarded(steering=True)
     def _before_backward(self, run: Run) -> None:
         self._micro_batch_begins(run, not self._reported_micro_batch)  # no optimizer.step() after the last one?
         self._reported_micro_batch = False
-        if run.policy.steers_the_boundary:
-            position = run.position + 1
-            ends = position % run.g == 0 or (run.n is not None and position == run.n)
-            if ends != self._sync:  # set where it changes only: FSDP2 walks every sharded module to set it
-                self._set_sync(ends)
-                self._sync = ends
 
     @guarded(steering=True)
     def _backward(self, run: Run, sync: bool) -> None:
@@ -177,12 +203,14 @@ class ShardedWatch(UserLoopWatch):
         """The loop steps: the update applies what was reduced, held against the window the loop closed."""
         if self._held != self._window or self._from_earlier:
             found = UnsyncedUpdate(max(run.epoch, 0) + 1, run.position + (not self._reported_micro_batch),
-                                   self.loop_steps + 1, self._window, self._held, self._from_earlier)
+                                   self.loop_steps + 1, self._window, self._held, self._from_earlier,
+                                   applied_alone=not self.keeps_unreduced)
             run.updates.took_an_unsynced_update(run, found)
 
     @guarded(steering=True)
     def _after_step(self, run: Run) -> None:
-        self._waiting += self._window - self._held
+        if self.keeps_unreduced:
+            self._waiting += self._window - self._held
         self._window, self._held, self._from_earlier = 0, 0, 0
         self.loop_steps += 1
         self._reported_micro_batch = True
@@ -192,17 +220,43 @@ class ShardedWatch(UserLoopWatch):
         return not self._reported_micro_batch
 
 
+class ReplicatedWatch(ShardedWatch):
+    """Watches one loop whose model is DDP's (``DistributedDataParallel``); made by :func:`watch`. As
+    :class:`ShardedWatch`, but DDP reads the sync at each forward (``model.no_sync()`` turns it off) and applies the
+    micro-batches after a window's last synced backward at once, each on its own rank alone."""
+
+    framework = DDP_LOOP
+    keeps_unreduced = False
+
+    def _sync_in_force(self) -> bool:
+        return bool(self.model.require_backward_grad_sync)
+
+    def _set_sync(self, on: bool) -> None:
+        self.model.require_backward_grad_sync = on
+
+    def _watch_the_sync(self) -> None:
+        """DDP's switch is an attribute, read where it is needed: nothing to wrap."""
+
+    def close(self) -> Any:
+        if self.policy.steers_the_boundary and self._hooks:
+            self._set_sync(True)  # DDP's default, as outside no_sync()
+        return super().close()
+
+
 def watch(model: Any, optimizer: Any = None, policy: Union[str, Policy] = Policy.WARN, dataloader: Any = None,
           num_epochs: Optional[float] = None, gradient_accumulation_steps: Optional[int] = None,
           console: Any = None,
           loss_normalisation: Union[str, Normalisation] = Normalisation.TOKEN_MEAN) -> ShardedWatch:
-    """Watch a loop whose model is sharded with FSDP2; call it after ``fully_shard`` and the optimizer's creation.
+    """Watch a loop whose model is sharded with FSDP2 or replicated with DDP; call it after ``fully_shard`` (or
+    ``DistributedDataParallel(...)``) and the optimizer's creation.
 
     Args:
-        model: the root module ``fully_shard`` returned (or sharded in place).
+        model: the root module ``fully_shard`` returned (or sharded in place), or the ``DistributedDataParallel``
+            module.
         optimizer: the torch optimizer the loop steps.
         policy: ``"warn"`` (name each update that does not hold its window), ``"raise"`` (stop before it) or
-            ``"sync"`` (the sync on at the last micro-batch of each window: every G-th of an epoch and its last).
+            ``"sync"`` (the sync on at the last micro-batch of each window: every G-th of an epoch and its last, off
+            at the others: ``set_requires_gradient_sync`` for FSDP2, DDP's ``require_backward_grad_sync``).
             ``"realign"`` and ``"drop_last"`` are refused.
         dataloader: the training dataloader (its length tells the epochs apart and makes the forecast).
         num_epochs: the epochs the loop runs, for the forecast.
@@ -230,10 +284,11 @@ def watch(model: Any, optimizer: Any = None, policy: Union[str, Policy] = Policy
         print(sync.report)
     """
     if optimizer is None:
-        raise StepSyncConfigError("stepsync.watch(model) of an FSDP2 model needs the optimizer your loop steps: "
+        raise StepSyncConfigError("stepsync.watch(model) of an FSDP2 or DDP model needs the optimizer your loop steps: "
                                   "stepsync.watch(model, optimizer=optimizer, gradient_accumulation_steps=G, ...)")
     g = gradient_accumulation_steps
     if isinstance(g, bool) or not isinstance(g, int) or g < 1:
         raise StepSyncConfigError(f"gradient_accumulation_steps={g!r}: pass the micro-batches per optimizer.step() "
                                   "your loop means (stepsync.watch(model, ..., gradient_accumulation_steps=G))")
-    return ShardedWatch(model, optimizer, policy, dataloader, num_epochs, g, console, loss_normalisation)
+    kind = ShardedWatch if is_sharded(model) else ReplicatedWatch
+    return kind(model, optimizer, policy, dataloader, num_epochs, g, console, loss_normalisation)

@@ -1,9 +1,10 @@
-"""Run under `torchrun --nproc_per_node 2`: the FSDP2 loop of tests/harness/fsdp_loops.py, 5 micro-batches per rank,
-G=2, 2 epochs, for each way it turns the gradient sync on and each policy; each rank writes what it saw to
+"""Run under `torchrun --nproc_per_node 2`: the FSDP2 and DDP loops of tests/harness/fsdp_loops.py, 5 micro-batches per
+rank, G=2, 2 epochs, for each way they turn the gradient sync on and each policy; each rank writes what it saw to
 OUT/rank-R.json.
 
 Usage: python -m torch.distributed.run --nproc_per_node 2 tests/entry/fsdp_ranks.py OUT
 """
+import itertools
 import os
 import sys
 
@@ -13,24 +14,25 @@ from harness.runs import dump, end_process_group
 
 def main(out_dir: str) -> None:
     results = {}
-    for sync_at in ("last", "never", "first"):
-        for policy in ("none", "warn", "raise", "sync"):
-            run = run_sharded_loop(5, 2, 2, sync_at, None if policy == "none" else policy)
-            report = run.watch.report if run.watch is not None else None
-            results[f"{sync_at}-{policy}"] = {
-                "world_size": run.world, "steps": run.steps,
-                "updates": [sorted(update.items()) for update in run.updates],
-                "error": f"{type(run.error).__name__}: {run.error}" if run.error else None,
-                "counts": [report.trainer_steps, report.engine_steps] if report else None,
-                "unsynced": [[u.update, u.window, u.held, u.from_earlier] for u in report.unsynced_updates]
-                if report else None,
-                "unsynced_total": report.updates_unsynced if report else None,
-                "forecast": [[r.trainer_steps, r.engine_steps] for r in report.forecast.epochs]
-                if report and report.forecast else None,
-                "epochs": [[r.trainer_steps, r.engine_steps] for r in report.epochs] if report else None,
-                "notes": report.notes if report else None,
-                "summary": str(report) if report else None,
-            }
+    for wrap, sync_at, policy in itertools.product(("fsdp", "ddp"), ("last", "never", "first"),
+                                                   ("none", "warn", "raise", "sync")):
+        run = run_sharded_loop(5, 2, 2, sync_at, None if policy == "none" else policy, wrap)
+        report = run.watch.report if run.watch is not None else None
+        results[f"{wrap}-{sync_at}-{policy}"] = {
+            "world_size": run.world, "steps": run.steps,
+            "updates": [sorted(update.items()) for update in run.updates],
+            "error": f"{type(run.error).__name__}: {run.error}" if run.error else None,
+            "counts": [report.trainer_steps, report.engine_steps] if report else None,
+            "unsynced": [[u.update, u.window, u.held, u.from_earlier, u.applied_alone]
+                         for u in report.unsynced_updates] if report else None,
+            "unsynced_total": report.updates_unsynced if report else None,
+            "forecast": [[r.trainer_steps, r.engine_steps] for r in report.forecast.epochs]
+            if report and report.forecast else None,
+            "epochs": [[r.trainer_steps, r.engine_steps] for r in report.epochs] if report else None,
+            "notes": report.notes if report else None,
+            "summary": str(report) if report else None,
+            "ranks_apart": str(report.ranks_apart) if report and report.ranks_apart else None,
+        }
     dump(os.path.join(out_dir, f"rank-{int(os.environ['RANK'])}.json"), results)
 
 

@@ -1,11 +1,14 @@
 """A torch-native loop whose model is sharded with FSDP2 (``fully_shard`` on its layer and its root), as PyTorch's and
 torchtitan's accumulation loops write it: ``model.set_requires_gradient_sync(last)`` before each micro-batch,
 ``loss.backward()``, and ``optimizer.step()`` at each window's last micro-batch (every G-th of an epoch and its last).
-Recorded by the loop itself, independently of stepsync.
+Or the same model in ``DistributedDataParallel``, each micro-batch whose sync is off run under ``model.no_sync()``,
+as the docstring of torch/nn/parallel/distributed.py's ``no_sync`` writes it. Recorded by the loop itself,
+independently of stepsync.
 
-The model is one weight per sample and each micro-batch one sample's one-hot row under plain SGD at lr 1, the loss
-the output's sum: each update's samples, and each one's share of it, are read from the whole weights (gathered from
-their shards on every rank). Rank r trains sample ``i * world + r`` at micro-batch i of every epoch.
+The model is one weight per sample and each micro-batch one sample's one-hot row (times a number of its own) under
+plain SGD at lr 1, the loss the output's sum: each update's samples, and each one's share of it, are read from the
+whole weights (gathered from their shards on every rank; DDP's, each rank's own copy). Rank r trains sample
+``i * world + r`` at micro-batch i of every epoch.
 """
 from __future__ import annotations
 
@@ -34,10 +37,13 @@ class ShardedLoopRun:
     world: int = 1
 
 
-def run_sharded_loop(per_rank: int, g: int, epochs: int, sync_at: str = "last", policy: Optional[str] = None
-                     ) -> ShardedLoopRun:
-    """The loop above on this process group (one is started for a single process); ``policy``:
-    ``stepsync.watch(model, optimizer=...)`` under it (None: not watched)."""
+def run_sharded_loop(per_rank: int, g: int, epochs: int, sync_at: str = "last", policy: Optional[str] = None,
+                     wrap: str = "fsdp") -> ShardedLoopRun:
+    """The loop above on this process group (one is started for a single process), its model ``wrap``'s
+    (``"fsdp"``: FSDP2, ``"ddp"``: DistributedDataParallel); ``policy``: ``stepsync.watch(model, optimizer=...)`` under
+    it (None: not watched)."""
+    import contextlib
+
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -63,10 +69,15 @@ def run_sharded_loop(per_rank: int, g: int, epochs: int, sync_at: str = "last", 
             return self.layer(rows)
 
     model = OneWeightPerSample()
-    fully_shard(model.layer)
-    fully_shard(model)
+    if wrap == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        fully_shard(model.layer)
+        fully_shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    rows = torch.eye(samples)
+    # sample j's row is (j + 1) times its one-hot row (its gradient j + 1), so ranks that part differ in their sums
+    scale = torch.arange(1, samples + 1, dtype=torch.float32)
+    rows = torch.diag(scale)
     loader = [rows[i * world + rank:i * world + rank + 1] for i in range(per_rank)]
     run = ShardedLoopRun(world=world)
     if policy is not None:
@@ -76,21 +87,28 @@ def run_sharded_loop(per_rank: int, g: int, epochs: int, sync_at: str = "last", 
                                    gradient_accumulation_steps=g, console=False)
 
     def weights():
+        if wrap == "ddp":
+            return model.module.layer.weight.detach().clone().flatten()
         return model.layer.weight.full_tensor().detach().clone().flatten()
 
     last = weights()
     try:
         for _ in range(epochs):
             for i, batch in enumerate(loader):
-                model.set_requires_gradient_sync(SYNC_AT[sync_at](i, g, per_rank))
-                model(batch).sum().backward()
+                sync = SYNC_AT[sync_at](i, g, per_rank)
+                if wrap == "ddp":
+                    with contextlib.nullcontext() if sync else model.no_sync():
+                        model(batch).sum().backward()
+                else:
+                    model.set_requires_gradient_sync(sync)
+                    model(batch).sum().backward()
                 if (i + 1) % g == 0 or i + 1 == per_rank:
                     optimizer.step()
                     optimizer.zero_grad()
                     run.steps += 1
                     now = weights()
-                    run.updates.append({j: round(-moved * world, 6) for j, moved in enumerate((now - last).tolist())
-                                        if abs(moved) > 1e-9})
+                    moves = ((last - now) * world / scale).tolist()
+                    run.updates.append({j: round(share, 6) for j, share in enumerate(moves) if abs(share) > 1e-9})
                     last = now
     except StepSyncError as exc:
         run.error = exc

@@ -1,5 +1,5 @@
-"""stepsync.watch(model, optimizer=...) on an FSDP2 (fully_shard) loop in one process (gloo, one rank): what the
-watch asks, what it refuses, what it gives back, and the loop shapes around it. Two ranks, and the faults as the
+"""stepsync.watch(model, optimizer=...) on an FSDP2 (fully_shard) or DDP loop in one process (gloo, one rank): what
+the watch asks, what it refuses, what it gives back, and the loop shapes around it. Two ranks, and the faults as the
 weights show them: tests/multiprocess/test_fsdp_two_ranks.py."""
 import pytest
 
@@ -40,7 +40,7 @@ def test_what_the_watch_needs_is_asked_for_by_name():
         stepsync.watch(model, optimizer=optimizer, gradient_accumulation_steps=2, policy="realign")
     with pytest.raises(ValueError, match=r"^policy 'drop_last' cannot end your dataloader's epochs early"):
         stepsync.watch(model, optimizer=optimizer, gradient_accumulation_steps=2, policy="drop_last")
-    with pytest.raises(ValueError, match="optimizer= is for a loop whose model is sharded with FSDP2"):
+    with pytest.raises(ValueError, match="optimizer= is for a loop whose model is FSDP2's or DDP's"):
         stepsync.watch(object(), optimizer=optimizer)
 
 
@@ -64,6 +64,36 @@ def test_close_gives_back_every_method_and_hook_and_a_scheduler_on_the_optimizer
     assert (report.trainer_steps, report.engine_steps, report.unsynced_updates, report.events) == (2, 2, [], [])
     assert "set_requires_gradient_sync" not in vars(model) and "step" not in vars(optimizer)
     assert dict(model._forward_hooks) == fsdp_hooks
+
+
+def test_a_ddp_model_gets_the_ddp_watch_which_gives_the_sync_back_as_ddp_keeps_it():
+    """Under sync the watch turns DDP's require_backward_grad_sync off inside the loop's windows, also inside the
+    loop's own no_sync() (as the docstring of torch/nn/parallel/distributed.py's no_sync writes the loop), and gives
+    DDP its default back at close."""
+    import contextlib
+
+    import torch
+
+    import stepsync
+    from stepsync.fsdp.watch import ReplicatedWatch
+
+    sharded()  # the process group
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch = stepsync.watch(model, optimizer=optimizer, gradient_accumulation_steps=2, dataloader=range(3),
+                           num_epochs=1, console=False, policy="sync")
+    assert isinstance(watch, ReplicatedWatch) and watch.report.framework.key == "ddp"
+    seen = []
+    for i in range(3):
+        with contextlib.nullcontext() if i else model.no_sync():  # the loop's sync: off at 0 only, on at 1 and 2
+            model(torch.ones(1, 4)).sum().backward()
+            seen.append(model.require_backward_grad_sync)
+        if i in (1, 2):
+            optimizer.step(), optimizer.zero_grad()
+    report = watch.close()
+    assert seen == [False, True, True] and model.require_backward_grad_sync is True
+    assert (report.trainer_steps, report.engine_steps, report.unsynced_updates) == (2, 2, [])
+    assert dict(model._forward_hooks) == {} and dict(model._forward_pre_hooks) == {} and "step" not in vars(optimizer)
 
 
 def test_an_evaluation_between_epochs_is_no_micro_batch():

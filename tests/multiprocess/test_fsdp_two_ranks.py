@@ -1,7 +1,7 @@
-"""FSDP2 (fully_shard) loops on two ranks (torchrun, gloo): where the gradient sync is on decides which micro-batches
-each update holds. The truth is read from the weights by the loop itself (tests/harness/fsdp_loops.py: one weight per
-sample, each update's samples and shares), the loop's meaning is its windows of G (every G-th micro-batch of an epoch
-and its last); stepsync's report must equal what the weights show, the same on both ranks."""
+"""FSDP2 (fully_shard) and DDP loops on two ranks (torchrun, gloo): where the gradient sync is on decides which
+micro-batches each update holds. The truth is read from the weights by the loop itself (tests/harness/fsdp_loops.py:
+one weight per sample, each update's samples and shares), the loop's meaning is its windows of G (every G-th
+micro-batch of an epoch and its last); stepsync's report must equal what the weights show, the same on both ranks."""
 import pytest
 
 from harness.paths import entry_script
@@ -11,69 +11,109 @@ pytestmark = [needs_stack, pytest.mark.integration, pytest.mark.twoproc]
 
 PER_RANK, G, EPOCHS, WORLD = 5, 2, 2, 2
 WINDOWS = [[0, 1], [2, 3], [4]] * EPOCHS  # each update's micro-batches, as the loop means them
+WRAPS = ["fsdp", "ddp"]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     from harness.runs import two_ranks
 
-    return two_ranks(entry_script("fsdp_ranks.py"), tmp_path_factory.mktemp("fsdp"), what="two-rank FSDP2 loop")[:2]
+    return two_ranks(entry_script("fsdp_ranks.py"), tmp_path_factory.mktemp("fsdp"),
+                     what="two-rank FSDP2 and DDP loops")[:2]
 
 
 def held_by_the_weights(updates):
-    """(the window's micro-batches each update holds, micro-batches of other windows it holds), from its samples."""
+    """(the window's micro-batches each update holds, micro-batches of other windows it holds), from its samples
+    moved by their share averaged across the ranks (1)."""
     found = []
     for window, update in zip(WINDOWS, updates):
-        micro_batches = {sample // WORLD for sample, _ in update}
+        micro_batches = {sample // WORLD for sample, share in update if share == 1.0}
         found.append((len(micro_batches & set(window)), len(micro_batches - set(window))))
     return found
 
 
-def test_both_ranks_see_the_same_and_every_sample_moves_whole(ranks):
+def applied_alone_by_the_weights(updates, rank):
+    """The micro-batches each update applied on this rank alone: its own samples moved by the whole of theirs
+    (WORLD times the average), which the other rank's weights never see."""
+    alone = [sorted(sample // WORLD for sample, share in update if share == WORLD) for update in updates]
+    assert all(sample % WORLD == rank for update in updates for sample, share in update if share == WORLD)
+    return alone
+
+
+def test_both_ranks_see_the_same_and_fsdp_moves_every_sample_whole(ranks):
     first, second = ranks
     assert first.keys() == second.keys() and all(first[run]["world_size"] == 2 for run in first)
     for run in first:
-        for key in ("updates", "error", "counts", "unsynced", "unsynced_total", "epochs", "forecast"):
+        for key in ("error", "counts", "unsynced", "unsynced_total", "epochs", "forecast", "ranks_apart"):
             assert first[run][key] == second[run][key], (run, key)
-        assert all(share == 1.0 for update in first[run]["updates"] for _, share in update)
+        if run.startswith("fsdp") or run.startswith("ddp-last") or run.endswith("sync"):
+            assert first[run]["updates"] == second[run]["updates"], run
+            assert all(share == 1.0 for update in first[run]["updates"] for _, share in update)
 
 
-def test_a_right_loop_is_left_alone_and_said_right(ranks):
-    plain = ranks[0]["last-none"]["updates"]
+@pytest.mark.parametrize("wrap", WRAPS)
+def test_a_right_loop_is_left_alone_and_said_right(ranks, wrap):
+    plain = ranks[0][f"{wrap}-last-none"]["updates"]
     assert held_by_the_weights(plain) == [(len(window), 0) for window in WINDOWS]
     for policy in ("warn", "raise", "sync"):
-        run = ranks[0][f"last-{policy}"]
-        assert run["updates"] == plain and run["error"] is None
+        run = ranks[0][f"{wrap}-last-{policy}"]
+        assert run["updates"] == plain and run["error"] is None and run["ranks_apart"] is None
         assert run["unsynced"] == [] and run["counts"] == [6, 6] and run["epochs"] == run["forecast"] == [[3, 3],
                                                                                                          [6, 6]]
 
 
 @pytest.mark.parametrize("sync_at", ["never", "first"])
-def test_warn_names_every_update_that_does_not_hold_its_window_as_the_weights_show(ranks, sync_at):
-    plain, warned = ranks[0][f"{sync_at}-none"], ranks[0][f"{sync_at}-warn"]
+def test_warn_names_every_fsdp_update_that_does_not_hold_its_window_as_the_weights_show(ranks, sync_at):
+    plain, warned = ranks[0][f"fsdp-{sync_at}-none"], ranks[0][f"fsdp-{sync_at}-warn"]
     assert warned["updates"] == plain["updates"]  # warn changes nothing
     truth = held_by_the_weights(plain["updates"])
     if sync_at == "never":
         assert truth == [(0, 0)] * 6  # every update applied nothing
     else:
         assert truth == [(1, 0), (1, 1), (1, 1), (1, 0), (1, 1), (1, 1)]
-    said = [(update, window, held, earlier) for update, window, held, earlier in warned["unsynced"]]
+    said = [(update, window, held, earlier) for update, window, held, earlier, alone in warned["unsynced"]]
     assert said == [(k + 1, len(window), held, earlier) for k, (window, (held, earlier)) in
                     enumerate(zip(WINDOWS, truth))]
+    assert not any(alone for *_, alone in warned["unsynced"])
     assert warned["unsynced_total"] == 6 and sum("later updates like it are counted" in n for n in warned["notes"]) == 1
     assert "gradient sync: 6 update(s) did not hold their window; first update 1 at epoch 1, micro-batch 2" in \
         warned["summary"]
 
 
 @pytest.mark.parametrize("sync_at", ["never", "first"])
-def test_raise_stops_before_the_first_such_update_applies_anything(ranks, sync_at):
-    stopped = ranks[0][f"{sync_at}-raise"]
+def test_warn_names_every_ddp_update_that_applies_micro_batches_on_one_rank_alone(ranks, sync_at):
+    """DDP applies the micro-batches after a window's last synced backward at once, each on its own rank: nothing
+    waits for a later update (unlike FSDP2), and the ranks' weights part, which the ranks' comparison finds."""
+    for rank in (0, 1):
+        plain, warned = ranks[rank][f"ddp-{sync_at}-none"], ranks[rank][f"ddp-{sync_at}-warn"]
+        assert warned["updates"] == plain["updates"]  # warn changes nothing
+        truth = held_by_the_weights(plain["updates"])
+        alone = applied_alone_by_the_weights(plain["updates"], rank)
+        assert [held + len(own) for (held, _), own in zip(truth, alone)] == [len(w) for w in WINDOWS]
+        assert all(earlier == 0 for _, earlier in truth)
+        expected = [(k + 1, len(window), held, 0, True) for k, (window, (held, _)) in enumerate(zip(WINDOWS, truth))
+                    if held != len(window)]
+        assert [tuple(u) for u in warned["unsynced"]] == expected
+    warned = ranks[0][f"ddp-{sync_at}-warn"]
+    assert len(warned["unsynced"]) == (6 if sync_at == "never" else 4)  # "first" syncs the one-micro-batch windows
+    assert warned["ranks_apart"] == ("the 2 ranks' copies of the weights differ at update 3 (found at the epoch end, "
+                                     "epoch 1, micro-batch 5; they agreed after update 0)")
+    assert "each on its own rank alone" in warned["summary"] or "applied its own micro-batches alone" in \
+        warned["summary"]
+
+
+@pytest.mark.parametrize("wrap", WRAPS)
+@pytest.mark.parametrize("sync_at", ["never", "first"])
+def test_raise_stops_before_the_first_such_update_applies_anything(ranks, wrap, sync_at):
+    stopped = ranks[0][f"{wrap}-{sync_at}-raise"]
     assert stopped["error"].startswith("GradientSyncError: update 1 at epoch 1, micro-batch 2")
     assert stopped["updates"] == [] and stopped["counts"] == [0, 0]  # the optimizer never stepped
 
 
+@pytest.mark.parametrize("wrap", WRAPS)
 @pytest.mark.parametrize("sync_at", ["never", "first"])
-def test_sync_makes_every_update_hold_its_window_exactly(ranks, sync_at):
-    synced = ranks[0][f"{sync_at}-sync"]
-    assert synced["updates"] == ranks[0]["last-none"]["updates"]  # the loop as meant, weight for weight
+def test_sync_makes_every_update_hold_its_window_exactly(ranks, wrap, sync_at):
+    synced = ranks[0][f"{wrap}-{sync_at}-sync"]
+    assert synced["updates"] == ranks[0][f"{wrap}-last-none"]["updates"]  # the loop as meant, weight for weight
     assert synced["unsynced"] == [] and synced["error"] is None and synced["counts"] == [6, 6]
+    assert synced["ranks_apart"] is None

@@ -50,7 +50,7 @@ def test_a_refused_policy_raises_its_reason_and_others_parse():
 
 
 def test_every_framework_is_described_once_and_the_trainer_refuses_nothing():
-    assert len({f.key for f in FRAMEWORKS}) == len(FRAMEWORKS) == 6
+    assert len({f.key for f in FRAMEWORKS}) == len(FRAMEWORKS) == 7
     assert TRAINER.refused == () and all(TRAINER.parse_policy(p) is p for p in Policy)
     for framework in FRAMEWORKS:  # a refusal always names what to use instead, and never a refused policy
         refused = {policy for policy in Policy if framework.refusal_of(policy) is not None}

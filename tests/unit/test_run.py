@@ -562,3 +562,21 @@ def test_ranks_found_apart_in_words_in_the_report_and_in_its_json():
     assert report.to_dict()["ranks_apart"] == {"epoch": 1, "micro_batch": 4, "engine_steps": 2, "agreed_at": 0,
                                                "where": "epoch end", "ranks": 2}
     assert "ranks apart" not in str(SyncReport(Policy.WARN, active=True))
+
+
+def test_an_unsynced_update_says_where_the_gradients_went_as_fsdp2_and_ddp_keep_them():
+    """FSDP2 keeps a gradient the sync skipped for the next synced backward; DDP applies it at once on its own rank."""
+    from stepsync.core.events import UnsyncedUpdate
+
+    none_fsdp, none_ddp = UnsyncedUpdate(1, 2, 1, 2, 0, 0), UnsyncedUpdate(1, 2, 1, 2, 0, 0, applied_alone=True)
+    assert "received no reduced gradient" in str(none_fsdp) and "the optimizer applied nothing" in str(none_fsdp)
+    assert "each rank applied its own micro-batches alone, unreduced, and the ranks' weights part" in str(none_ddp)
+    assert "set_requires_gradient_sync(is_last)" in str(none_fsdp) and "model.no_sync()" in str(none_ddp)
+    waits, alone = UnsyncedUpdate(1, 4, 2, 3, 1, 2), UnsyncedUpdate(1, 4, 2, 3, 1, 0, applied_alone=True)
+    assert str(waits) == ("update 2 at epoch 1, micro-batch 4: 2 of the 3 micro-batches your loop gave it wait "
+                          "unreduced for a later update (the sync was off after its last synced backward); it holds 2 "
+                          "micro-batch(es) of earlier windows; turn the sync on for the last micro-batch of each window "
+                          "only (model.set_requires_gradient_sync(is_last) before its forward)")
+    assert str(alone).startswith("update 2 at epoch 1, micro-batch 4: 2 of the 3 micro-batches your loop gave it are "
+                                 "applied unreduced, each on its own rank alone")
+    assert (waits.left, alone.left) == (2, 2)
