@@ -30,7 +30,7 @@ from ..core.versions import EngineBoundary
 from ..engine.deepspeed import engine_facts, is_engine, zero_loss
 from ..engine.faults import guarded
 from ..engine.lifecycle import RunStart, close_run, say_the_clip
-from ..engine.loop_objects import length_of
+from ..engine.loop_objects import length_of, sharding_dropped
 from ..engine.policies import loop_action_for
 from ..engine.run import Run
 from ..engine.watch import UserLoopWatch
@@ -49,6 +49,10 @@ OUTSIDE_EFFECT = {
 def find_engine(accelerator: Any) -> Any:
     """The DeepSpeed engine ``accelerator.prepare`` built, or None."""
     return getattr(getattr(accelerator, "deepspeed_engine_wrapped", None), "engine", None)
+
+
+def uses_deepspeed(accelerator: Any) -> bool:
+    return "DEEPSPEED" in str(getattr(accelerator, "distributed_type", ""))
 
 
 class LoopWatch(UserLoopWatch):
@@ -91,12 +95,16 @@ class LoopWatch(UserLoopWatch):
         if is_engine(accelerator):  # deepspeed.initialize's engine, driven by the loop itself
             raise StepSyncConfigError("this watch is for an accelerate Accelerator, and was given a DeepSpeed engine: "
                                       "call stepsync.watch(engine), which watches a loop that drives it itself")
-        if "DEEPSPEED" not in str(getattr(accelerator, "distributed_type", "")):
+        if not uses_deepspeed(accelerator):
             kind = str(getattr(accelerator, "distributed_type", "unknown")).split(".")[-1]
+            dropped = sharding_dropped(kind)
             self._idle(
-                f"nothing to watch: the accelerator does not use DeepSpeed (distributed_type {kind}). "
+                f"nothing to watch: the accelerator does not use DeepSpeed (distributed_type {kind}). " + (
+                    f"{dropped}. " if dropped else "") +
                 "Given a DeepSpeed plugin, accelerate drops it under Accelerator(cpu=True): on a CPU machine leave "
-                "cpu out, set DS_ACCELERATOR=cpu and start the script with torchrun or accelerate launch",
+                "cpu out, set DS_ACCELERATOR=cpu and start the script with torchrun or accelerate launch. A loop on "
+                "several ranks without DeepSpeed (DDP, FSDP2) is watched through the model and optimizer prepare() "
+                "returned: stepsync.watch(model, optimizer=optimizer, gradient_accumulation_steps=G)",
                 logging.WARNING)
             return
         engine = find_engine(accelerator)

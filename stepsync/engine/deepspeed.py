@@ -200,8 +200,10 @@ def held_weights(engine: Any) -> Tuple[List[Any], bool, bool]:
         if isinstance(flat, list) and flat:  # a rank's ZeRO-3 partition may be empty: it still all-reduces
             return [t for t in flat if t is not None and t.numel()], True, partitioned
     module = getattr(engine, "module", None)
-    partitioned = any(map(_partitioned, module.parameters())) if module is not None else False
-    return (list(module.parameters()) if module is not None else []), False, partitioned
+    parameters = list(module.parameters()) if module is not None else []
+    partitioned = any(map(_partitioned, parameters))
+    # a DTensor's own part (a sum of the DTensor itself would gather it across ranks, one collective per tensor)
+    return [p.to_local() if hasattr(p, "to_local") else p for p in parameters], False, partitioned
 
 
 def _partitioned(parameter: Any) -> bool:

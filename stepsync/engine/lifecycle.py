@@ -125,10 +125,11 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None,
     report.active = True
     if not run.facts.deepspeed:
         report.updater = "optimizer"
+    if not run.facts.deepspeed and "deepspeed" in start.framework.packages:  # a run that could have had DeepSpeed
+        saved = ", the record in every checkpoint and the resume check" if start.framework.checkpoints else ""
         run.voice.note(f"no DeepSpeed: {start.framework.name}'s count is held against its optimizer's steps; the "
-                       "forecast, the record in every checkpoint and the resume check ran, DeepSpeed's own checks (its "
-                       "counter's boundary, each micro-batch's weight, skipped and non-finite updates, clipping) did "
-                       "not")
+                       f"forecast{saved} ran, DeepSpeed's own checks (its counter's boundary, each micro-batch's "
+                       "weight, skipped and non-finite updates, clipping) did not")
     _state_what_differs(run, start.framework)
     if start.record_problem:
         run.voice.error(f"{start.record_problem}; the report covers this run only")

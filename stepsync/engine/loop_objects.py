@@ -3,6 +3,7 @@ on one instance (a loop's ``backward``, an optimizer's ``step``) that must be gi
 from __future__ import annotations
 
 import functools
+import os
 import types
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -15,6 +16,16 @@ def length_of(loader: Any) -> Optional[int]:
         return len(loader)
     except TypeError:
         return None
+
+
+def sharding_dropped(kind: str) -> str:
+    """What accelerate says nowhere: it was asked for FSDP (an ``fsdp_plugin``, the Trainer's ``fsdp``, or
+    ``accelerate launch --use_fsdp`` set ``ACCELERATE_USE_FSDP``) and the model is ``kind``'s instead; "" where it
+    was not asked or is FSDP's."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true" or kind == "FSDP":
+        return ""
+    return (f"accelerate was asked for FSDP and did not shard the model ({kind}: accelerate shards with FSDP on GPUs "
+            "only, as measured on a CPU): every rank holds and trains a whole copy")
 
 
 def bound_to(owner: Any, function: Callable[..., Any]) -> Any:

@@ -10,6 +10,8 @@ from typing import Any, Callable, Optional
 from .deepspeed import EngineFacts
 
 NOT_AN_ENGINE = "the run has no DeepSpeed engine: its optimizer steps where the framework counts an update"
+UNCHECKED = ("a torch optimizer applies every gradient it is given, finite or not (torch.nn.utils.clip_grad_norm_(..., "
+             "error_if_nonfinite=True) before optimizer.step() stops at the first that is not)")
 
 
 def innermost_optimizer(optimizer: Any) -> Optional[Any]:
@@ -33,19 +35,20 @@ class OptimizerSteps:
         module: the model the framework trains, where the adapter gives it (the checks that read its output and
             each token's weight hook it); None elsewhere.
         device: where the model's parameters are (a collective across ranks runs there).
-        compares_ranks: every rank calls the run's epoch ends and checkpoints together (a loop the watch sees
-            whole), so the ranks' copies of the weights can be compared there.
+        reads_weights: every rank calls the run's epoch ends and checkpoints together (a loop the watch sees
+            whole), so the weights are read there: whether they are finite (the optimizer applies every gradient),
+            and the ranks' copies compared.
     """
 
-    __slots__ = ("global_steps", "_handle", "module", "facts", "device", "_boundary", "compares_ranks")
+    __slots__ = ("global_steps", "_handle", "module", "facts", "device", "_boundary", "reads_weights")
 
     def __init__(self, optimizer: Any, start: int, module: Any = None,
-                 boundary: Optional[Callable[[], bool]] = None, compares_ranks: bool = False) -> None:
+                 boundary: Optional[Callable[[], bool]] = None, reads_weights: bool = False) -> None:
         self.global_steps = start
         self._handle = optimizer.register_step_post_hook(self._stepped)
-        self.module, self._boundary, self.compares_ranks = module, boundary, compares_ranks
+        self.module, self._boundary, self.reads_weights = module, boundary, reads_weights
         self.facts = EngineFacts(None, False, NOT_AN_ENGINE, counts_skips=False, deepspeed=False,
-                                 data_parallel_size=_ranks())
+                                 data_parallel_size=_ranks(), unchecked_gradients=UNCHECKED if reads_weights else "")
         parameter = next(iter(getattr(module, "parameters", lambda: ())()), None)
         self.device = getattr(parameter, "device", "cpu")
 
@@ -79,9 +82,9 @@ def _ranks() -> int:
 
 def count_optimizer_steps(optimizer: Any, start: int, module: Any = None,
                           boundary: Optional[Callable[[], bool]] = None,
-                          compares_ranks: bool = False) -> Optional[OptimizerSteps]:
+                          reads_weights: bool = False) -> Optional[OptimizerSteps]:
     """An :class:`OptimizerSteps` on the torch optimizer inside ``optimizer``, or None where there is none;
-    ``module``, ``boundary`` and ``compares_ranks``: as :class:`OptimizerSteps` takes them, for the checks that need
+    ``module``, ``boundary`` and ``reads_weights``: as :class:`OptimizerSteps` takes them, for the checks that need
     them."""
     inner = innermost_optimizer(optimizer)
-    return OptimizerSteps(inner, start, module, boundary, compares_ranks) if inner is not None else None
+    return OptimizerSteps(inner, start, module, boundary, reads_weights) if inner is not None else None

@@ -41,7 +41,7 @@ class Updates:
         self.weights: Optional[FiniteWeights] = FiniteWeights(engine) if facts.unchecked_gradients else None
         self.weights_each_update = self.weights is not None and self.weights.each_update
         # Several ranks each holding a whole copy of the weights: the copies are compared where every rank stops.
-        compares = facts.deepspeed or getattr(engine, "compares_ranks", False)
+        compares = facts.deepspeed or getattr(engine, "reads_weights", False)
         fingerprint = WeightFingerprint(engine) if compares and facts.data_parallel_size > 1 else None
         self.fingerprint = fingerprint if fingerprint is not None and fingerprint.replicated else None
         self.ranks_agreed_at: Optional[int] = None
@@ -154,7 +154,8 @@ class Updates:
 
     def say_non_finite(self, update: NonFiniteUpdate) -> None:
         """Said once: the weights cannot become finite again, so nothing after it is said."""
-        self.voice.warn(f"{update}. The engine counts this and every later update as made, and the LR schedule moves "
+        who = "The engine" if self.facts.deepspeed else "Your optimizer"
+        self.voice.warn(f"{update}. {who} counts this and every later update as made, and the LR schedule moves "
                         "on, but they train nothing: find the micro-batch whose loss is not finite (policy 'raise' "
                         "stops at this update)")
 

@@ -18,7 +18,7 @@ such an update applies anything; ``sync`` turns the sync on at the last micro-ba
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional, Type, Union
 
 from ..core.choices import Policy
 from ..core.errors import StepSyncConfigError
@@ -28,8 +28,8 @@ from ..core.plan import RunPlan
 from ..core.tokens import Normalisation
 from ..engine.faults import guarded
 from ..engine.lifecycle import RunStart
-from ..engine.loop_objects import length_of
-from ..engine.optimizer import count_optimizer_steps
+from ..engine.loop_objects import length_of, sharding_dropped
+from ..engine.optimizer import count_optimizer_steps, innermost_optimizer
 from ..engine.policies import WatchOnly, action_for
 from ..engine.run import Run
 from ..engine.watch import NO_LENGTH, UserLoopWatch
@@ -51,12 +51,6 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _grad_enabled() -> bool:
-    import torch  # loaded already: the model is torch's
-
-    return torch.is_grad_enabled()
-
-
 def _grad_tensor(output: Any) -> Any:
     """The first tensor of a model's output that backward runs through (its ``loss`` first, as a transformers model
     returns it; else a tensor, or one in a tuple, list or dict); None where there is none."""
@@ -67,6 +61,40 @@ def _grad_tensor(output: Any) -> Any:
         return output if output.requires_grad else None
     values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
     return next((found for found in map(_grad_tensor, values) if found is not None), None)
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def precision_in_force(model: Any) -> Optional[str]:
+    """FSDP2's mixed precision as each sharded module's ``MixedPrecisionPolicy`` sets it, in words; None where none
+    is set (every dtype the weights' own)."""
+    kept = next((p.dtype for p in model.parameters()), None)
+    found = []
+    for module in model.modules():
+        policy = getattr(getattr(module, "_get_fsdp_state", lambda: None)(), "_mp_policy", None)
+        compute = getattr(policy, "param_dtype", None)
+        reduce = getattr(policy, "reduce_dtype", None) or compute
+        if (compute, reduce) != (None, None) and (compute, reduce) not in found:
+            found.append((compute, reduce))
+    if not found:
+        return None
+    words = []
+    for compute, reduce in found:
+        text = (f"forward and backward in {_dtype_name(compute or kept)}, gradients reduced (and accumulated over "
+                f"the micro-batches whose sync is off) in {_dtype_name(reduce or kept)}")
+        if reduce is not None and kept is not None and reduce.itemsize < kept.itemsize:
+            text += (f" (sums in {_dtype_name(reduce)} round away a micro-batch's gradient much smaller than the "
+                     "window's; MixedPrecisionPolicy(reduce_dtype=torch.float32) keeps it)")
+        words.append(text)
+    return (f"FSDP2 mixed precision in force: {'; '.join(words)}; the sharded weights and the optimizer in "
+            f"{_dtype_name(kept)}")
+
+
+# FSDP2's callback at the end of each backward (queued once per backward by the state whose pre-backward hook
+# fired first): torch 2.13's name, read where it exists
+FSDP_BACKWARD_CALLBACK = "_root_post_backward_final_callback"
 
 
 class ShardedWatch(UserLoopWatch):
@@ -91,6 +119,9 @@ class ShardedWatch(UserLoopWatch):
                  loss_normalisation: Union[str, Normalisation] = Normalisation.TOKEN_MEAN) -> None:
         self._watch(policy, console, loss_normalisation)
         self.model, self.optimizer = model, optimizer
+        import torch  # loaded already: the model is torch's
+
+        self._grad_enabled = torch.is_grad_enabled  # read at every forward: no import there
         self._sync = True  # FSDP2's default: every backward reduces
         self._window = 0  # backward() calls since the loop's last optimizer.step()
         self._held = 0  # of those, the ones reduced (up to the last with the sync on)
@@ -104,7 +135,7 @@ class ShardedWatch(UserLoopWatch):
         behaviour = self._installed()
         if behaviour is None:
             return
-        steps = count_optimizer_steps(self.optimizer, 0, self.model, self._sync_in_force, compares_ranks=True)
+        steps = count_optimizer_steps(self.optimizer, 0, self.model, self._sync_in_force, reads_weights=True)
         if steps is None:
             raise StepSyncConfigError("stepsync.watch(model, optimizer=...) needs the torch optimizer your loop "
                                       f"steps; {type(self.optimizer).__name__} has no step hooks")
@@ -117,7 +148,14 @@ class ShardedWatch(UserLoopWatch):
                                   loss_normalisation=self.loss_normalisation))
         if n is None:
             run.voice.note(NO_LENGTH)
+        said = self._said_at_start()
+        if said:
+            run.voice.note(said)
         self._wrap()
+
+    def _said_at_start(self) -> Optional[str]:
+        """What the start says of the model: the precision in force."""
+        return precision_in_force(self.model)
 
     def _sync_in_force(self) -> bool:
         """Whether the running (or next) backward reduces the gradients kept since the last that did."""
@@ -139,7 +177,10 @@ class ShardedWatch(UserLoopWatch):
 
     def _wrap(self) -> None:
         self._watch_the_sync()
-        step = self.optimizer.step
+        # the torch optimizer's own step: accelerate's wrapper calls it only where it updates (sync_gradients)
+        optimizer = innermost_optimizer(self.optimizer)
+        assert optimizer is not None  # _start refuses one without step hooks
+        step = optimizer.step
 
         def watched_step(*args: Any, **kwargs: Any) -> Any:
             self._before_step()
@@ -147,7 +188,8 @@ class ShardedWatch(UserLoopWatch):
             self._after_step()
             return result
 
-        self._patches.set(self.optimizer, "step", watched_step, as_method=True)
+        self._patches.set(optimizer, "step", watched_step, as_method=True)
+        self._backwards_seen = self._see_backwards()
         if self.policy.steers_the_boundary:
             self._hooks.append(self.model.register_forward_pre_hook(self._steer))
         self._hooks.append(self.model.register_forward_hook(self._forward_hook))
@@ -164,20 +206,35 @@ class ShardedWatch(UserLoopWatch):
     # ------------------------------------------------------------ every micro-batch
 
     def _forward_hook(self, module: Any, args: Any, output: Any) -> None:
-        if not module.training or not _grad_enabled():  # an evaluation's forward: no micro-batch
+        if not module.training or not self._grad_enabled():  # an evaluation's forward: no micro-batch
             return
         tensor = _grad_tensor(output)
         if tensor is None:
             return
-        self._before_backward()
-        sync = self._sync_in_force()
-        tensor.register_hook(lambda grad: self._backward(sync))
+        self._micro_batch()
+        if not self._backwards_seen:  # FSDP2 reads the sync at the backward: read it there
+            tensor.register_hook(self._backward_begins)
+
+    def _backward_begins(self, grad: Any) -> None:
+        self._backward(self._sync)
+
+    def _see_backwards(self) -> bool:
+        """Each backward's end, told by FSDP2 itself: its per-backward callback (one per backward whichever of the
+        model's sharded modules queued it) wrapped on each of their states, cheaper than a hook on every output
+        tensor. False where this torch has none (the watch then hooks each micro-batch's output)."""
+        states = [getattr(module, "_get_fsdp_state", lambda: None)() for module in self.model.modules()]
+        states = [state for state in states if callable(getattr(state, FSDP_BACKWARD_CALLBACK, None))]
+        if not states:
+            return False
+        for state in states:
+            self._call_after(state, FSDP_BACKWARD_CALLBACK, lambda *_: self._backward(self._sync))
+        return True
 
     @guarded(steering=True)
     def _steer(self, run: Run, module: Any, args: Any) -> None:
         """Under ``sync``, before a training micro-batch's forward: the sync on where it ends one of the loop's
         windows (every G-th micro-batch of an epoch and its last), off elsewhere."""
-        if not module.training or not _grad_enabled():
+        if not module.training or not self._grad_enabled():
             return
         done = run.position + (not self._reported_micro_batch)  # the last micro-batch is counted at the next
         position = 1 if run.n is not None and done >= run.n else done + 1
@@ -186,13 +243,15 @@ class ShardedWatch(UserLoopWatch):
             self._set_sync(ends)
 
     @guarded(steering=True)
-    def _before_backward(self, run: Run) -> None:
+    def _micro_batch(self, run: Run) -> None:
+        """A training micro-batch's forward ran."""
         self._micro_batch_begins(run, not self._reported_micro_batch)  # no optimizer.step() after the last one?
         self._reported_micro_batch = False
 
     @guarded(steering=True)
     def _backward(self, run: Run, sync: bool) -> None:
-        """A backward ran with the gradient sync ``sync``: on, it reduced every gradient kept since the last."""
+        """A micro-batch's backward runs with the gradient sync ``sync``: on, it reduces every gradient kept since
+        the last that did."""
         self._window += 1
         if sync:
             self._from_earlier += self._waiting
@@ -228,6 +287,16 @@ class ReplicatedWatch(ShardedWatch):
     framework = DDP_LOOP
     keeps_unreduced = False
 
+    def _forward_hook(self, module: Any, args: Any, output: Any) -> None:
+        """DDP reads the sync at the forward: the micro-batch and its backward's sync are known at once."""
+        if module.training and self._grad_enabled() and _grad_tensor(output) is not None:
+            self._micro_batch()
+            self._backward(module.require_backward_grad_sync)
+
+    def _said_at_start(self) -> Optional[str]:
+        """A model accelerate was asked to shard and wrapped in DDP instead (on a CPU)."""
+        return sharding_dropped("wrapped in DDP") or None
+
     def _sync_in_force(self) -> bool:
         return bool(self.model.require_backward_grad_sync)
 
@@ -236,6 +305,9 @@ class ReplicatedWatch(ShardedWatch):
 
     def _watch_the_sync(self) -> None:
         """DDP's switch is an attribute, read where it is needed: nothing to wrap."""
+
+    def _see_backwards(self) -> bool:
+        return True  # DDP's sync is read at the forward, with the micro-batch
 
     def close(self) -> Any:
         if self.policy.steers_the_boundary and self._hooks:
@@ -253,7 +325,8 @@ def watch(model: Any, optimizer: Any = None, policy: Union[str, Policy] = Policy
     Args:
         model: the root module ``fully_shard`` returned (or sharded in place), or the ``DistributedDataParallel``
             module.
-        optimizer: the torch optimizer the loop steps.
+        optimizer: the optimizer the loop steps (a torch optimizer, or accelerate's wrapper of one: the watch reads
+            the torch optimizer's own steps).
         policy: ``"warn"`` (name each update that does not hold its window), ``"raise"`` (stop before it) or
             ``"sync"`` (the sync on at the last micro-batch of each window: every G-th of an epoch and its last, off
             at the others: ``set_requires_gradient_sync`` for FSDP2, DDP's ``require_backward_grad_sync``).
@@ -290,5 +363,9 @@ def watch(model: Any, optimizer: Any = None, policy: Union[str, Policy] = Policy
     if isinstance(g, bool) or not isinstance(g, int) or g < 1:
         raise StepSyncConfigError(f"gradient_accumulation_steps={g!r}: pass the micro-batches per optimizer.step() "
                                   "your loop means (stepsync.watch(model, ..., gradient_accumulation_steps=G))")
-    kind = ShardedWatch if is_sharded(model) else ReplicatedWatch
-    return kind(model, optimizer, policy, dataloader, num_epochs, g, console, loss_normalisation)
+    return watch_kind(model)(model, optimizer, policy, dataloader, num_epochs, g, console, loss_normalisation)
+
+
+def watch_kind(model: Any) -> Type[ShardedWatch]:
+    """The watch of ``model``'s loop: FSDP2's, else DDP's."""
+    return ShardedWatch if is_sharded(model) else ReplicatedWatch

@@ -1,6 +1,6 @@
 """Run under `torchrun --nproc_per_node 2`: the FSDP2 and DDP loops of tests/harness/fsdp_loops.py, 5 micro-batches per
-rank, G=2, 2 epochs, for each way they turn the gradient sync on and each policy; each rank writes what it saw to
-OUT/rank-R.json.
+rank, G=2, 2 epochs, for each way they turn the gradient sync on and each policy, and accelerate's DDP loop (right,
+and with the sync never on); each rank writes what it saw to OUT/rank-R.json.
 
 Usage: python -m torch.distributed.run --nproc_per_node 2 tests/entry/fsdp_ranks.py OUT
 """
@@ -14,8 +14,10 @@ from harness.runs import dump, end_process_group
 
 def main(out_dir: str) -> None:
     results = {}
-    for wrap, sync_at, policy in itertools.product(("fsdp", "ddp"), ("last", "never", "first"),
-                                                   ("none", "warn", "raise", "sync")):
+    runs = list(itertools.product(("fsdp", "ddp"), ("last", "never", "first"), ("none", "warn", "raise", "sync")))
+    runs += [("accelerate", "last", "none"), ("accelerate", "last", "warn"), ("accelerate", "last", "sync"),
+             ("accelerate", "never", "none"), ("accelerate", "never", "warn")]
+    for wrap, sync_at, policy in runs:
         run = run_sharded_loop(5, 2, 2, sync_at, None if policy == "none" else policy, wrap)
         report = run.watch.report if run.watch is not None else None
         results[f"{wrap}-{sync_at}-{policy}"] = {

@@ -40,8 +40,10 @@ class ShardedLoopRun:
 def run_sharded_loop(per_rank: int, g: int, epochs: int, sync_at: str = "last", policy: Optional[str] = None,
                      wrap: str = "fsdp") -> ShardedLoopRun:
     """The loop above on this process group (one is started for a single process), its model ``wrap``'s
-    (``"fsdp"``: FSDP2, ``"ddp"``: DistributedDataParallel); ``policy``: ``stepsync.watch(model, optimizer=...)`` under
-    it (None: not watched)."""
+    (``"fsdp"``: FSDP2, ``"ddp"``: DistributedDataParallel, ``"accelerate"``: DDP as ``Accelerator(cpu=True)``
+    prepares it, with its dataloader and optimizer, the loop under ``accelerator.accumulate(model)`` as accelerate's
+    examples/by_feature/gradient_accumulation.py writes it, or each backward under ``accelerator.no_sync(model)`` for
+    ``sync_at="never"``); ``policy``: ``stepsync.watch(model, optimizer=...)`` under it (None: not watched)."""
     import contextlib
 
     import torch
@@ -71,14 +73,23 @@ def run_sharded_loop(per_rank: int, g: int, epochs: int, sync_at: str = "last", 
     model = OneWeightPerSample()
     if wrap == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
-    else:
+    elif wrap == "fsdp":
         fully_shard(model.layer)
         fully_shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     # sample j's row is (j + 1) times its one-hot row (its gradient j + 1), so ranks that part differ in their sums
     scale = torch.arange(1, samples + 1, dtype=torch.float32)
     rows = torch.diag(scale)
-    loader = [rows[i * world + rank:i * world + rank + 1] for i in range(per_rank)]
+    loader: Any = [rows[i * world + rank:i * world + rank + 1] for i in range(per_rank)]
+    accelerator = None
+    if wrap == "accelerate":  # accelerate shards the data: rank r's i-th batch is sample i * world + r
+        from accelerate import Accelerator, FullyShardedDataParallelPlugin
+
+        # asked for FSDP2, as a script written for GPUs asks: on a CPU accelerate wraps the model in DDP instead
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=g,
+                                  fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(rows), batch_size=1)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, data)
     run = ShardedLoopRun(world=world)
     if policy is not None:
         import stepsync
@@ -87,27 +98,43 @@ def run_sharded_loop(per_rank: int, g: int, epochs: int, sync_at: str = "last", 
                                    gradient_accumulation_steps=g, console=False)
 
     def weights():
-        if wrap == "ddp":
-            return model.module.layer.weight.detach().clone().flatten()
-        return model.layer.weight.full_tensor().detach().clone().flatten()
+        if wrap == "fsdp":
+            return model.layer.weight.full_tensor().detach().clone().flatten()
+        return model.module.layer.weight.detach().clone().flatten()
 
+    def train(i, batch):
+        """One micro-batch; whether the loop's window ends at it (it steps there)."""
+        ends = (i + 1) % g == 0 or i + 1 == per_rank
+        if accelerator is not None and sync_at == "last":
+            with accelerator.accumulate(model):
+                accelerator.backward(model(batch[0]).sum())
+                optimizer.step()
+                optimizer.zero_grad()
+            return accelerator.sync_gradients
+        sync = SYNC_AT[sync_at](i, g, per_rank)
+        if accelerator is not None:
+            with contextlib.nullcontext() if sync else accelerator.no_sync(model):
+                accelerator.backward(model(batch[0]).sum())
+        elif wrap == "ddp":
+            with contextlib.nullcontext() if sync else model.no_sync():
+                model(batch).sum().backward()
+        else:
+            model.set_requires_gradient_sync(sync)
+            model(batch).sum().backward()
+        if ends:
+            optimizer.step()
+            optimizer.zero_grad()
+        return ends
+
+    per_loss = g if accelerator is not None else 1  # accelerator.backward divides each loss by G
     last = weights()
     try:
         for _ in range(epochs):
             for i, batch in enumerate(loader):
-                sync = SYNC_AT[sync_at](i, g, per_rank)
-                if wrap == "ddp":
-                    with contextlib.nullcontext() if sync else model.no_sync():
-                        model(batch).sum().backward()
-                else:
-                    model.set_requires_gradient_sync(sync)
-                    model(batch).sum().backward()
-                if (i + 1) % g == 0 or i + 1 == per_rank:
-                    optimizer.step()
-                    optimizer.zero_grad()
+                if train(i, batch):
                     run.steps += 1
                     now = weights()
-                    moves = ((last - now) * world / scale).tolist()
+                    moves = ((last - now) * world / scale * per_loss).tolist()
                     run.updates.append({j: round(share, 6) for j, share in enumerate(moves) if abs(share) > 1e-9})
                     last = now
     except StepSyncError as exc:

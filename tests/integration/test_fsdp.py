@@ -1,6 +1,8 @@
 """stepsync.watch(model, optimizer=...) on an FSDP2 (fully_shard) or DDP loop in one process (gloo, one rank): what
 the watch asks, what it refuses, what it gives back, and the loop shapes around it. Two ranks, and the faults as the
 weights show them: tests/multiprocess/test_fsdp_two_ranks.py."""
+import contextlib
+
 import pytest
 
 from harness.stack import needs_stack
@@ -134,3 +136,114 @@ def test_check_forecasts_the_loops_updates():
     assert proc.returncode == 0 and forecast["trainer_steps"] == forecast["engine_steps"] == run.steps == 6
     assert [[row["trainer_steps"], row["engine_steps"]] for row in forecast["epochs"]] == [
         [row.trainer_steps, row.engine_steps] for row in run.watch.report.epochs]
+
+
+@pytest.mark.parametrize("reduce_dtype", ["float32", None])
+def test_the_precision_in_force_is_said_at_the_start_and_bf16_accumulation_loses_what_it_says(reduce_dtype):
+    """One weight, two micro-batches in one window (the sync off for the first), gradients 256 and 1, plain SGD at lr
+    1: accumulated in float32 the update is 257; with compute in bfloat16 and no reduce_dtype, FSDP2 accumulates in
+    bfloat16 and the 1 is rounded away (256): what the start's note warns of."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import stepsync
+
+    sharded()  # the process group
+    model = torch.nn.Sequential(torch.nn.Linear(1, 1, bias=False))
+    torch.nn.init.zeros_(model[0].weight)
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                      reduce_dtype=getattr(torch, reduce_dtype) if reduce_dtype else None))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    watch = stepsync.watch(model, optimizer=optimizer, gradient_accumulation_steps=2, dataloader=range(2),
+                           num_epochs=1, console=False)
+    for i, x in enumerate((256.0, 1.0)):
+        model.set_requires_gradient_sync(i == 1)
+        model(torch.tensor([[x]])).sum().backward()
+    optimizer.step()
+    report = watch.close()
+    moved = -model[0].weight.full_tensor().item()
+    said = [note for note in report.notes if note.startswith("FSDP2 mixed precision in force")]
+    if reduce_dtype:
+        assert moved == 257.0
+        assert said == ["FSDP2 mixed precision in force: forward and backward in bfloat16, gradients reduced (and "
+                        "accumulated over the micro-batches whose sync is off) in float32; the sharded weights and "
+                        "the optimizer in float32"]
+    else:
+        assert moved == 256.0  # the second micro-batch's 1 was rounded away
+        assert len(said) == 1 and "in bfloat16 (sums in bfloat16 round away a micro-batch's gradient much smaller " \
+            "than the window's; MixedPrecisionPolicy(reduce_dtype=torch.float32) keeps it)" in said[0]
+
+
+@pytest.mark.parametrize("policy", ["warn", "raise"])
+def test_weights_made_not_finite_are_found_at_the_epoch_end_and_raise_stops_there(policy):
+    """A loss that is not finite at epoch 1's micro-batch 3: the optimizer applies its gradient (torch checks none),
+    the weights are read at the epoch's end (this rank's shards), and raise stops before epoch 2's first micro-batch
+    trains."""
+    import math
+
+    import torch
+
+    import stepsync
+    from stepsync.core.errors import NonFiniteUpdateError
+
+    model, optimizer = sharded()
+    watch = stepsync.watch(model, optimizer=optimizer, gradient_accumulation_steps=2, dataloader=range(4),
+                           num_epochs=2, console=False, policy=policy)
+    trained = []
+    with pytest.raises(NonFiniteUpdateError) if policy == "raise" else contextlib.nullcontext():
+        for epoch in range(2):
+            for i in range(4):
+                loss = model(torch.ones(1, 4)).sum() * (math.nan if (epoch, i) == (0, 2) else 1.0)
+                trained.append((epoch, i))
+                loss.backward()
+                if i % 2:
+                    optimizer.step(), optimizer.zero_grad()
+    report = watch.close()
+    found = report.non_finite
+    assert (found.epoch, found.micro_batch, found.engine_steps, found.each_update) == (1, 4, 2, False)
+    assert str(found) == ("an update at or before update 2 (checked at epoch ends) at epoch 1, micro-batch 4 left "
+                          "weights that are not finite: a torch optimizer applies every gradient it is given, finite "
+                          "or not (torch.nn.utils.clip_grad_norm_(..., error_if_nonfinite=True) before "
+                          "optimizer.step() stops at the first that is not)")
+    # the epoch's end is known at the next micro-batch's forward: raise stops in it
+    assert trained == [(0, 0), (0, 1), (0, 2), (0, 3)] + ([] if policy == "raise" else
+                                                          [(1, 0), (1, 1), (1, 2), (1, 3)])
+    assert any(note.startswith(f"{found}. Your optimizer counts this") for note in report.notes)
+
+
+@pytest.mark.parametrize("callback", ["FSDP2's", "none"])
+def test_fsdp2s_sync_is_read_at_the_backward_where_the_loop_sets_it_after_the_forward(monkeypatch, callback):
+    """A loop that turns the sync on between a micro-batch's forward and its backward (its window's last) is right:
+    FSDP2 reads the sync at the backward, and so does the watch (one weight per sample: every micro-batch's sample
+    moves in its window's update), at FSDP2's own callback after each backward or, on a torch without it, at a hook
+    on each micro-batch's output; closing gives FSDP2's states back."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    import stepsync
+    from stepsync.fsdp import watch as fsdp_watch
+
+    if callback == "none":
+        monkeypatch.setattr(fsdp_watch, "FSDP_BACKWARD_CALLBACK", "a_callback_this_torch_lacks")
+
+    sharded()  # the process group
+    model = torch.nn.Sequential(torch.nn.Linear(4, 1, bias=False))
+    torch.nn.init.zeros_(model[0].weight)
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    watch = stepsync.watch(model, optimizer=optimizer, gradient_accumulation_steps=2, dataloader=range(4),
+                           num_epochs=1, console=False)
+    moved = []
+    for i in range(4):
+        loss = model(torch.eye(4)[i:i + 1]).sum()
+        model.set_requires_gradient_sync(i % 2 == 1)
+        loss.backward()
+        if i % 2:
+            before = model[0].weight.full_tensor().detach().clone()
+            optimizer.step(), optimizer.zero_grad()
+            moved.append((before - model[0].weight.full_tensor().detach()).flatten().tolist())
+    assert watch._backwards_seen is (callback != "none")
+    report = watch.close()
+    assert moved == [[1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 1.0]]
+    assert report.unsynced_updates == [] and (report.trainer_steps, report.engine_steps) == (2, 2)
+    assert fsdp_watch.FSDP_BACKWARD_CALLBACK not in vars(model._get_fsdp_state())

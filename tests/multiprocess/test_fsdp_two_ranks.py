@@ -1,5 +1,5 @@
-"""FSDP2 (fully_shard) and DDP loops on two ranks (torchrun, gloo): where the gradient sync is on decides which
-micro-batches each update holds. The truth is read from the weights by the loop itself (tests/harness/fsdp_loops.py:
+"""FSDP2 (fully_shard) and DDP loops on two ranks (torchrun, gloo), and accelerate's loop on the DDP it prepares on a
+CPU: where the gradient sync is on decides which micro-batches each update holds. The truth is read from the weights by the loop itself (tests/harness/fsdp_loops.py:
 one weight per sample, each update's samples and shares), the loop's meaning is its windows of G (every G-th
 micro-batch of an epoch and its last); stepsync's report must equal what the weights show, the same on both ranks."""
 import pytest
@@ -46,7 +46,7 @@ def test_both_ranks_see_the_same_and_fsdp_moves_every_sample_whole(ranks):
     for run in first:
         for key in ("error", "counts", "unsynced", "unsynced_total", "epochs", "forecast", "ranks_apart"):
             assert first[run][key] == second[run][key], (run, key)
-        if run.startswith("fsdp") or run.startswith("ddp-last") or run.endswith("sync"):
+        if run.startswith("fsdp") or "-last-" in run or run.endswith("sync"):
             assert first[run]["updates"] == second[run]["updates"], run
             assert all(share == 1.0 for update in first[run]["updates"] for _, share in update)
 
@@ -117,3 +117,28 @@ def test_sync_makes_every_update_hold_its_window_exactly(ranks, wrap, sync_at):
     assert synced["updates"] == ranks[0][f"{wrap}-last-none"]["updates"]  # the loop as meant, weight for weight
     assert synced["unsynced"] == [] and synced["error"] is None and synced["counts"] == [6, 6]
     assert synced["ranks_apart"] is None
+
+
+def test_an_accelerate_loop_without_deepspeed_is_watched_through_the_ddp_it_prepared(ranks):
+    """stepsync.watch(model, optimizer=optimizer, gradient_accumulation_steps=G) with what accelerator.prepare
+    returned, on Accelerator(cpu=True, fsdp_plugin=...) under torchrun: accelerate drops the FSDP plugin on a CPU and
+    wraps the model in DDP, which the watch says at its start; the loop under accelerator.accumulate(model) holds
+    each window whole (as the weights show), and the same loop with every backward under
+    accelerator.no_sync(model) is named update by update, its ranks apart."""
+    plain = ranks[0]["accelerate-last-none"]["updates"]
+    assert held_by_the_weights(plain) == [(len(window), 0) for window in WINDOWS]
+    dropped = ("accelerate was asked for FSDP and did not shard the model (wrapped in DDP: accelerate shards with "
+               "FSDP on GPUs only, as measured on a CPU): every rank holds and trains a whole copy")
+    for policy in ("warn", "sync"):
+        run = ranks[0][f"accelerate-last-{policy}"]
+        assert run["updates"] == plain and run["unsynced"] == [] and run["counts"] == [6, 6]
+        assert run["epochs"] == run["forecast"] == [[3, 3], [6, 6]] and run["notes"] == [dropped]
+    for rank in (0, 1):
+        slipped, warned = ranks[rank]["accelerate-never-none"], ranks[rank]["accelerate-never-warn"]
+        assert warned["updates"] == slipped["updates"]
+        assert held_by_the_weights(slipped["updates"]) == [(0, 0)] * 6
+        assert applied_alone_by_the_weights(slipped["updates"], rank) == WINDOWS
+        assert [tuple(u) for u in warned["unsynced"]] == [(k + 1, len(w), 0, 0, True) for k, w in enumerate(WINDOWS)]
+    assert ranks[0]["accelerate-never-warn"]["ranks_apart"].startswith("the 2 ranks' copies of the weights differ")
+    assert all(dropped not in ranks[0][run]["notes"] for run in ranks[0] if run.startswith("ddp-") and
+               ranks[0][run]["notes"] is not None)  # a DDP loop no one asked to shard
