@@ -97,7 +97,7 @@ class LoopWatch(UserLoopWatch):
                                       "call stepsync.watch(engine), which watches a loop that drives it itself")
         if not uses_deepspeed(accelerator):
             kind = str(getattr(accelerator, "distributed_type", "unknown")).split(".")[-1]
-            dropped = sharding_dropped(kind)
+            dropped = sharding_dropped(f"distributed_type {kind}") if kind != "FSDP" else ""
             self._idle(
                 f"nothing to watch: the accelerator does not use DeepSpeed (distributed_type {kind}). " + (
                     f"{dropped}. " if dropped else "") +

@@ -20,9 +20,9 @@ def length_of(loader: Any) -> Optional[int]:
 
 def sharding_dropped(kind: str) -> str:
     """What accelerate says nowhere: it was asked for FSDP (an ``fsdp_plugin``, the Trainer's ``fsdp``, or
-    ``accelerate launch --use_fsdp`` set ``ACCELERATE_USE_FSDP``) and the model is ``kind``'s instead; "" where it
-    was not asked or is FSDP's."""
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true" or kind == "FSDP":
+    ``accelerate launch --use_fsdp`` set ``ACCELERATE_USE_FSDP``) and ``kind`` (what it did instead: not FSDP) is in
+    force; "" where it was not asked."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
         return ""
     return (f"accelerate was asked for FSDP and did not shard the model ({kind}: accelerate shards with FSDP on GPUs "
             "only, as measured on a CPU): every rank holds and trains a whole copy")

@@ -65,8 +65,12 @@ def start_run(trainer: Any, args: Any, state: Any, engine: Any, train_dataloader
         plan = RunPlan(n, g, args.num_train_epochs, args.max_steps, state.global_step, engine.global_steps,
                        resume_steps, examples)
         start_epoch, skip = resume_position(plan, behaviour)
+    dropped = trainer_facts.sharding_asked_and_dropped(trainer, args)
+
     def built(run: Run) -> None:
         keep(run)
+        if dropped:
+            run.voice.note(dropped)
         if layout_unknown:
             run.voice.note(f"{layout_unknown}: a resume on another layout cannot be told")
         serve_a_generation_buffer(args, run, policy)

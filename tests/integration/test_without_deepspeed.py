@@ -4,9 +4,10 @@ plans. The truth is the model's parameters, read after every micro-batch beside 
 after which they moved. Runs on every Trainer stack: each release's counting and planning, measured.
 """
 import pytest
+from packaging.version import Version
 
 from harness.runs import forget_deepspeed, run
-from harness.stack import needs_stack
+from harness.stack import INSTALLED, needs_stack
 
 pytestmark = needs_stack
 
@@ -87,3 +88,31 @@ def test_a_run_without_deepspeed_saves_its_record_in_every_checkpoint(tmp_path):
         record = load_record(str(tmp_path / f"checkpoint-{step}"))
         assert (record.trainer_steps, record.engine_steps, record.world_size, record.gradient_accumulation_steps) \
             == (step, step, 1, 4)
+
+
+@pytest.mark.skipif(INSTALLED.transformers != "newest" and Version(INSTALLED.transformers) < Version("5.24"),
+                    reason="measured on transformers 5.24 (accelerate 1.7 and 1.16); 4.46-4.57 refuse fsdp on a CPU "
+                           "before training (accelerate's plugin finds no device for sync_module_states)")
+def test_fsdp_the_trainer_cannot_give_on_a_cpu_is_said_at_the_start(tmp_path):
+    """TrainingArguments(fsdp="full_shard") on a CPU machine: accelerate wraps the model in DDP (MULTI_CPU, measured
+    with transformers 5.24 and accelerate 1.7 on one and two torchrun ranks), no word from either; stepsync says it
+    once at the start, and the run is watched as any run without DeepSpeed."""
+    import os
+
+    try:
+        result = run(tmp_path, 5, 2, 1, deepspeed=False, fsdp="full_shard")
+    finally:
+        os.environ.pop("ACCELERATE_USE_FSDP", None)  # accelerate sets it for the process: the next run asks none
+        forget_deepspeed()
+    assert result.error is None and not result.trainer.is_fsdp_enabled
+    report = result.callback.report
+    said = [note for note in report.notes if note.startswith("accelerate was asked for FSDP")]
+    assert said == ["accelerate was asked for FSDP and did not shard the model (distributed_type MULTI_CPU: "
+                    "accelerate shards with FSDP on GPUs only, as measured on a CPU): every rank holds and trains a "
+                    "whole copy"]
+    assert (report.trainer_steps, report.engine_steps) == (3, 3)
+
+
+def test_a_run_no_one_asked_to_shard_says_nothing_of_fsdp(tmp_path):
+    result = run(tmp_path, 5, 2, 1, deepspeed=False)
+    assert not any("FSDP" in note for note in result.callback.report.notes)
