@@ -186,7 +186,7 @@ def main(argv):
     if argv == ["stack", "--list"]:
         from harness import matrix as support
 
-        print(" ".join(s.name for s in (*support.STACKS, *support.LIGHTNING_STACKS)))
+        print(" ".join(s.name for s in support.every_stack()))
         return 0
     if len(argv) == 2 and argv[0] == "stack":
         try:

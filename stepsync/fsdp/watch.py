@@ -51,6 +51,12 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _grad_tensor(output: Any) -> Any:
     """The first tensor of a model's output that backward runs through (its ``loss`` first, as a transformers model
     returns it; else a tensor, or one in a tuple, list or dict); None where there is none."""
@@ -288,10 +294,14 @@ class ReplicatedWatch(ShardedWatch):
     keeps_unreduced = False
 
     def _forward_hook(self, module: Any, args: Any, output: Any) -> None:
-        """DDP reads the sync at the forward: the micro-batch and its backward's sync are known at once."""
+        """DDP reads the sync at the forward: the micro-batch and its backward's sync are known at once. On one
+        rank a gradient left unreduced is the average already: every micro-batch counts as reduced."""
         if module.training and self._grad_enabled() and _grad_tensor(output) is not None:
             self._micro_batch()
-            self._backward(module.require_backward_grad_sync)
+            self._backward(self._alone or module.require_backward_grad_sync)
+
+    def _see_backwards(self) -> bool:
+        return True  # DDP's sync is read at the forward, with the micro-batch
 
     def _said_at_start(self) -> Optional[str]:
         """A model accelerate was asked to shard and wrapped in DDP instead (on a CPU)."""
@@ -304,10 +314,9 @@ class ReplicatedWatch(ShardedWatch):
         self.model.require_backward_grad_sync = on
 
     def _watch_the_sync(self) -> None:
-        """DDP's switch is an attribute, read where it is needed: nothing to wrap."""
-
-    def _see_backwards(self) -> bool:
-        return True  # DDP's sync is read at the forward, with the micro-batch
+        """DDP's switch is an attribute, read at each forward: nothing to wrap. On one rank nothing is left
+        unreduced."""
+        self._alone = _world() == 1
 
     def close(self) -> Any:
         if self.policy.steers_the_boundary and self._hooks:

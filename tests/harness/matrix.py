@@ -132,6 +132,27 @@ LIGHTNING_STACKS = (
 )
 
 
+@dataclass(frozen=True)
+class TorchSpec:
+    """A stack of torch alone (the CPU build every stack gets) and the tests' tools: what a torch-native loop's
+    watch needs, with no transformers, accelerate or DeepSpeed installed."""
+
+    name: str
+    as_of: str
+    shows: str
+
+    def requirements(self) -> List[str]:
+        return list(TEST_REQUIREMENTS)
+
+
+TORCH_STACKS = (TorchSpec("torch", "2026-11-30", "torch alone: the FSDP2 and DDP watches without the others"),)
+
+
+def every_stack() -> tuple:
+    """Every stack of the matrix: the Trainer's, Lightning's and torch's alone."""
+    return (*STACKS, *LIGHTNING_STACKS, *TORCH_STACKS)
+
+
 # Which tests each stack runs (scripts/test.sh runs them): everything on the two newest; elsewhere the set that
 # shows what the stack is in the matrix for. Paths are relative to the repository.
 LIGHTNING_TESTS = ("tests/unit/test_lightning_versions.py", "tests/integration/test_lightning.py",
@@ -163,6 +184,8 @@ TESTS = {
     # transformers 4.46's Trainer divides a token mean by G once more under DeepSpeed.
     "t446": (*FOCUSED_TESTS, "tests/integration/test_without_deepspeed.py",
              "tests/integration/test_deepspeed_loop_releases.py", "tests/integration/test_token_weights.py"),
+    # The watches of torch-native loops where only torch is installed (stepsync's own dependencies beside it).
+    "torch": ("tests/integration/test_fsdp.py", "tests/multiprocess/test_fsdp_two_ranks.py"),
 }
 
 
@@ -179,7 +202,7 @@ def tests_of(name: str) -> Tuple[str, ...]:
 
 # Seconds each stack's tests took on the 2-core CI machine (its printed times); 40 for the rest. Only the lanes
 # scripts/test.sh runs the stacks in are balanced with them.
-TEST_SECONDS = {"drifting": 1450, "aligned": 740, "t457": 290, "d183": 230, "lightning": 160, "d189": 60}
+TEST_SECONDS = {"drifting": 1450, "aligned": 740, "t457": 290, "d183": 230, "lightning": 160, "d189": 60, "torch": 40}
 
 
 def lanes(names: List[str], count: int) -> List[List[str]]:
@@ -192,11 +215,11 @@ def lanes(names: List[str], count: int) -> List[List[str]]:
 
 
 def spec(name: str):
-    """The StackSpec or LightningSpec called ``name``."""
-    for stack in (*STACKS, *LIGHTNING_STACKS):
+    """The StackSpec, LightningSpec or TorchSpec called ``name``."""
+    for stack in every_stack():
         if stack.name == name:
             return stack
-    names = ", ".join(s.name for s in (*STACKS, *LIGHTNING_STACKS))
+    names = ", ".join(s.name for s in every_stack())
     raise ValueError(f"unknown stack {name!r}: choose one of {names}")
 
 

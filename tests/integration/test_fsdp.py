@@ -5,9 +5,7 @@ import contextlib
 
 import pytest
 
-from harness.stack import needs_stack
-
-pytestmark = [needs_stack, pytest.mark.integration]
+pytestmark = [pytest.mark.torch, pytest.mark.integration]  # torch alone: the torch stack runs it too
 
 
 def sharded():
@@ -247,3 +245,16 @@ def test_fsdp2s_sync_is_read_at_the_backward_where_the_loop_sets_it_after_the_fo
     assert moved == [[1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 1.0]]
     assert report.unsynced_updates == [] and (report.trainer_steps, report.engine_steps) == (2, 2)
     assert fsdp_watch.FSDP_BACKWARD_CALLBACK not in vars(model._get_fsdp_state())
+
+
+def test_a_ddp_loop_on_one_rank_has_nothing_left_unreduced():
+    """On one rank DDP's average is the rank's own gradient: a loop that never turns the sync on trains every
+    micro-batch whole (the weights), and the watch names nothing."""
+    from harness.fsdp_loops import run_sharded_loop
+
+    sharded()  # the process group, of one rank
+    run = run_sharded_loop(5, 2, 2, "never", "warn", "ddp")
+    assert run.world == 1 and all(share == 1.0 for update in run.updates for share in update.values())
+    assert [sorted(update) for update in run.updates] == [[0, 1], [2, 3], [4]] * 2
+    report = run.watch.report
+    assert report.unsynced_updates == [] and (report.trainer_steps, report.engine_steps) == (6, 6)

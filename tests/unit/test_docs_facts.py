@@ -33,7 +33,7 @@ def output_probes():
 
 
 FACTS = [
-    ("docs/architecture.md", r"\((\d+) stacks, each built", lambda: len(matrix.STACKS) + len(matrix.LIGHTNING_STACKS)),
+    ("docs/architecture.md", r"\((\d+) stacks, each built", lambda: len(matrix.every_stack())),
     ("docs/releases.md", r"(\d+) stacks cover each change", lambda: len(matrix.STACKS)),
     ("docs/releases.md", r"(\d+) more stacks carry PyTorch Lightning", lambda: len(matrix.LIGHTNING_STACKS)),
     ("docs/releases.md", r"\((\d+) releases in all\)", lambda: len(probed_transformers())),

@@ -334,7 +334,7 @@ def test_which_tests_a_stack_runs_is_written_once():
 
     script = open(os.path.join(REPO, "scripts", "test.sh")).read()
     assert "case " not in script and "envs.py tests" in script
-    for stack in (*matrix.STACKS, *matrix.LIGHTNING_STACKS):
+    for stack in matrix.every_stack():
         paths = matrix.tests_of(stack.name)
         assert paths and all(os.path.exists(os.path.join(REPO, path)) for path in paths), stack.name
 
