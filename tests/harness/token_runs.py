@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from stepsync.tools.tiny_run import cpu_distributed_env
@@ -488,3 +489,49 @@ def run_fabric_tokens(counts: Sequence[int], gas: int, loss: str = "micro_batch_
                     result.after = [p.detach().float().clone() for p in net.parameters()]
 
     return _trained(result, watch, loop, lambda: [p.detach().float().clone() for p in net.parameters()])
+
+
+def run_sharded_tokens(counts: Sequence[int], gas: int, loss: str = "micro_batch_mean",
+                       policy: Optional[str] = "warn", declared: str = "token_mean") -> TokenRun:
+    """A torch-native loop whose plain tiny LM is sharded with FSDP2 (one rank, gloo): the sync on at each window's
+    last micro-batch, ``optimizer.step()`` there, one window, SGD at lr 1. ``loss="micro_batch_mean"``: each
+    micro-batch's own mean divided by G (the usual ``F.cross_entropy(...) / G``); ``"token_mean"``: the summed token
+    losses divided by the window's trained tokens, counted before it starts."""
+    cpu_distributed_env()
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import stepsync
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    model = tiny_plain_lm()
+    rows = windowed(counts, gas)
+    result = TokenRun(truths=rule_gradients(model, rows[:gas]))
+    result.before = [p.detach().float().clone() for p in model.parameters()]
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    watch = stepsync.watch(model, optimizer=optimizer, policy=policy, dataloader=rows, num_epochs=1,
+                           gradient_accumulation_steps=gas, console=False,
+                           loss_normalisation=declared) if policy else None
+
+    steps = SimpleNamespace(global_steps=0)  # the optimizer's steps, as an engine's count is read
+
+    def whole():
+        return [p.full_tensor().detach().float().clone() for p in model.parameters()]
+
+    def loop():
+        for i, batch in enumerate(rows):
+            last = (i + 1) % gas == 0 or i + 1 == len(rows)
+            model.set_requires_gradient_sync(last)
+            summed = summed_token_loss(model(batch["input_ids"]), batch["labels"])
+            per_token = batch["window_tokens"] if loss == "token_mean" else trained_tokens(batch) * gas
+            (summed / per_token).backward()
+            if last:
+                optimizer.step(), optimizer.zero_grad()
+                steps.global_steps += 1
+                if not result.after:
+                    result.after = whole()
+
+    return _trained(result, watch, loop, whole, steps)

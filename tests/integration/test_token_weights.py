@@ -406,3 +406,17 @@ def test_a_fabric_loop_is_named_at_its_own_windows(loss):
     assert run.error is None
     right(run, loss)
     assert agrees_with_the_truth(run) == loss
+
+
+# ---------------------------------------------------------------- a torch-native loop sharded with FSDP2
+
+@pytest.mark.parametrize("loss, rule", [("micro_batch_mean", "micro_batch_mean"), ("token_mean", "token_mean")])
+def test_an_fsdp2_loop_is_named_by_its_loss(loss, rule):
+    """The watch gives the reader the sync in force at each backward: the window's end, as FSDP2 makes it."""
+    from harness.token_runs import run_sharded_tokens
+
+    run = run_sharded_tokens(COUNTS, 4, loss=loss)
+    assert run.error is None and run.engine_steps == 1
+    right(run, rule)
+    assert agrees_with_the_truth(run) == rule
+    assert run.report.token_weighting.as_expected is (rule == "token_mean")
