@@ -306,7 +306,7 @@ def measure_engine_watch(micro_batches: int, gas: int):
     return rows
 
 
-SHARDED_HOOKS = ("_forward_hook", "_backward", "_steer", "_before_step", "_after_step")
+SHARDED_HOOKS = ("_forward_hook", "_backward", "_steer", "_before_step", "_after_step", "_before_zero_grad")
 
 
 def measure_sharded_watch(micro_batches: int, gas: int):

@@ -250,6 +250,7 @@ class UnsyncedUpdate:
         held: of those, the ones the update holds, reduced across ranks.
         from_earlier: micro-batches of earlier windows it holds as well (FSDP2).
         applied_alone: the window's micro-batches it does not hold are applied on their own rank only (DDP).
+        cleared: the window's micro-batches an ``optimizer.zero_grad()`` inside it cleared before the update.
     """
 
     epoch: int
@@ -259,17 +260,26 @@ class UnsyncedUpdate:
     held: int
     from_earlier: int
     applied_alone: bool = False
+    cleared: int = 0
 
     @property
     def left(self) -> int:
-        """The window's micro-batches the update does not hold reduced: left for a later update (or none, where the
-        sync never comes), or applied unreduced on their own rank (DDP)."""
-        return self.window - self.held
+        """The window's micro-batches the update neither holds reduced nor lost to a zero_grad(): left for a later
+        update (or none, where the sync never comes), or applied unreduced on their own rank (DDP)."""
+        return self.window - self.held - self.cleared
 
     def __str__(self) -> str:
         where = f"update {self.update} at epoch {self.epoch}, micro-batch {self.micro_batch}"
         fix = ("run each window's other micro-batches under model.no_sync() and its last without it"
                if self.applied_alone else "model.set_requires_gradient_sync(is_last) before its forward")
+        if self.cleared:
+            parts = [f"optimizer.zero_grad() inside the window cleared {self.cleared} of the {self.window} "
+                     "micro-batches your loop gave it before the update (call it after optimizer.step(), or before "
+                     "the window's first micro-batch)"]
+            if self.left:
+                parts.append(f"{self.left} more are " + ("applied unreduced, each on its own rank alone"
+                                                          if self.applied_alone else "left unreduced for later"))
+            return f"{where}: " + "; ".join(parts)
         if not self.held and not self.from_earlier:
             applied = ("each rank applied its own micro-batches alone, unreduced, and the ranks' weights part"
                        if self.applied_alone else "the optimizer applied nothing")
@@ -288,3 +298,29 @@ class UnsyncedUpdate:
             parts.append(f"it holds {self.from_earlier} micro-batch(es) of earlier windows")
         return (f"{where}: " + "; ".join(parts) + "; turn the sync on for the last micro-batch of each window only "
                 f"({fix})")
+
+
+@dataclass(frozen=True)
+class DroppedWindow:
+    """A window the loop closed (its last backward reduced it) whose gradients an ``optimizer.zero_grad()`` cleared
+    with no ``optimizer.step()`` after it: its micro-batches trained nothing. fp16's ``GradScaler`` does it by design
+    where a window's gradients are not finite (``scaler.step`` skips the step while it searches for a scale).
+
+    Attributes:
+        epoch: 1-based epoch.
+        micro_batch: the micro-batch of that epoch at which the window was cleared.
+        after_update: the optimizer's steps before it.
+        micro_batches: the window's micro-batches, trained for nothing.
+    """
+
+    epoch: int
+    micro_batch: int
+    after_update: int
+    micro_batches: int
+
+    def __str__(self) -> str:
+        return (f"the window of {self.micro_batches} micro-batch(es) ending at epoch {self.epoch}, micro-batch "
+                f"{self.micro_batch} was cleared by optimizer.zero_grad() with no optimizer.step() after update "
+                f"{self.after_update}: it trained nothing (fp16's GradScaler skips the step of a window whose "
+                "gradients are not finite while it searches for a loss scale; elsewhere step before zero_grad)")
+

@@ -5,7 +5,16 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional
 
 from .choices import Policy
-from .events import Counted, DriftEvent, LostGradients, NonFiniteUpdate, RanksApart, SkippedUpdate, UnsyncedUpdate
+from .events import (
+    Counted,
+    DriftEvent,
+    DroppedWindow,
+    LostGradients,
+    NonFiniteUpdate,
+    RanksApart,
+    SkippedUpdate,
+    UnsyncedUpdate,
+)
 from .frameworks import TRAINER, Framework
 from .prediction import Forecast
 from .record import ResumeRecord
@@ -112,6 +121,9 @@ class SyncReport(Counted):
         unsynced_updates: the updates whose gradients were not those of the window the loop closed, because of
             where the gradient sync was on (:class:`UnsyncedUpdate`: FSDP2 and DDP): the first :data:`KEPT` - 1 and
             the last; ``updates_unsynced`` counts them all.
+        dropped_windows: the windows a torch-native loop closed and cleared with ``optimizer.zero_grad()`` and no
+            ``optimizer.step()`` (:class:`DroppedWindow`: fp16's GradScaler skipping a step): the first
+            :data:`KEPT` - 1 and the last; ``windows_dropped`` counts them all.
         token_weighting: how the loss weighed each trained token in the first window whose micro-batches hold
             different numbers of them (:class:`TokenWeighting`); None until such a window, or where the model has
             no output embeddings to read it at.
@@ -153,6 +165,8 @@ class SyncReport(Counted):
     lost_micro_batches: int = 0
     unsynced_updates: List[UnsyncedUpdate] = field(default_factory=list)
     updates_unsynced: int = 0
+    dropped_windows: List[DroppedWindow] = field(default_factory=list)
+    windows_dropped: int = 0
     token_weighting: Optional[TokenWeighting] = None
     updater: str = "engine"
 
@@ -198,6 +212,9 @@ class SyncReport(Counted):
         if self.unsynced_updates:
             lines.append(f"gradient sync: {self.updates_unsynced} update(s) did not hold their window; first "
                          f"{self.unsynced_updates[0]}")
+        if self.dropped_windows:
+            lines.append(f"dropped: {self.windows_dropped} window(s) cleared without an update; first "
+                         f"{self.dropped_windows[0]}")
         if self.unapplied_micro_batches:
             lines.append(f"never applied: the last {self.unapplied_micro_batches} micro-batch(es), in the "
                          f"{self.updater}'s window that never closed")
@@ -260,6 +277,11 @@ class SyncReport(Counted):
         """An update whose gradients are not its window's: counted, kept where among the first or the last."""
         self.updates_unsynced += 1
         keep(self.unsynced_updates, found)
+
+    def took_a_dropped_window(self, dropped: DroppedWindow) -> None:
+        """A window cleared without an update: counted, kept where among the first or the last."""
+        self.windows_dropped += 1
+        keep(self.dropped_windows, dropped)
 
     def _first_and_last_skips(self) -> List[SkippedUpdate]:
         skips = self.skipped_updates

@@ -175,6 +175,9 @@ def summary_view(report: SyncReport) -> Panel:
     if report.unsynced_updates:
         lines.append(f"\n{report.updates_unsynced} update(s) did not hold the window your loop gave them (where the "
                      f"gradient sync was on): first {report.unsynced_updates[0]}", style="bold red")
+    if report.dropped_windows:
+        lines.append(f"\n{report.windows_dropped} window(s) cleared without an update: first "
+                     f"{report.dropped_windows[0]}", style="yellow")
     if report.ranks_apart is not None:
         lines.append(f"\n{report.ranks_apart}", style="bold red")
     shift = report.resume_shift

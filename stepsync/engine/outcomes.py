@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
-from ..core.events import LostGradients, NonFiniteUpdate, RanksApart, SkippedUpdate, UnsyncedUpdate
+from ..core.events import DroppedWindow, LostGradients, NonFiniteUpdate, RanksApart, SkippedUpdate, UnsyncedUpdate
 from ..core.frameworks import NON_FINITE_METRIC, SKIPPED_METRIC
 from .deepspeed import EngineFacts, FiniteWeights, WeightFingerprint, loss_scale
 from .messages import Voice
@@ -126,6 +126,13 @@ class Updates:
             run.observe(self.voice.warn, f"{found}; or use policy='sync'; later updates like it are counted in the "
                                          "report")
         run.action.on_unsynced_update(found)
+
+    def took_a_dropped_window(self, run: Run, dropped: DroppedWindow) -> None:
+        """A window cleared with no update after it: kept, the first said at once (the summary counts the rest);
+        no policy stops on it (fp16's GradScaler does it by design)."""
+        self.report.took_a_dropped_window(dropped)
+        if run.observing and self.report.windows_dropped == 1:
+            run.observe(self.voice.warn, f"{dropped}; later windows like it are counted in the report")
 
     def metrics(self) -> dict:
         """What the updates did, beside each framework's counts: once there is something to say."""

@@ -22,7 +22,7 @@ from typing import Any, Optional, Type, Union
 
 from ..core.choices import Policy
 from ..core.errors import StepSyncConfigError
-from ..core.events import UnsyncedUpdate
+from ..core.events import DroppedWindow, UnsyncedUpdate
 from ..core.frameworks import DDP_LOOP, FSDP_LOOP
 from ..core.plan import RunPlan
 from ..core.tokens import Normalisation
@@ -133,6 +133,9 @@ class ShardedWatch(UserLoopWatch):
         self._held = 0  # of those, the ones reduced (up to the last with the sync on)
         self._from_earlier = 0  # micro-batches of earlier windows reduced since the last step
         self._waiting = 0  # micro-batches of earlier windows still unreduced
+        self._cleared = 0  # of the window, those an optimizer.zero_grad() inside it cleared
+        self._last_synced = False  # the sync the loop set for its last backward: on where it closes its window
+        self._alone = False  # one DDP rank: a gradient left unreduced is the average already
         self._reported_micro_batch = True  # the last backward's micro-batch is in the run's count
         self._hooks: list = []
         self._start(dataloader, num_epochs, gradient_accumulation_steps)
@@ -195,6 +198,7 @@ class ShardedWatch(UserLoopWatch):
             return result
 
         self._patches.set(optimizer, "step", watched_step, as_method=True)
+        self._call_before(optimizer, "zero_grad", self._before_zero_grad)
         self._backwards_seen = self._see_backwards()
         if self.policy.steers_the_boundary:
             self._hooks.append(self.model.register_forward_pre_hook(self._steer))
@@ -259,24 +263,42 @@ class ShardedWatch(UserLoopWatch):
         """A micro-batch's backward runs with the gradient sync ``sync``: on, it reduces every gradient kept since
         the last that did."""
         self._window += 1
-        if sync:
+        self._last_synced = sync
+        if sync or self._alone:
             self._from_earlier += self._waiting
             self._held, self._waiting = self._window, 0
 
     @guarded(steering=True)
     def _before_step(self, run: Run) -> None:
         """The loop steps: the update applies what was reduced, held against the window the loop closed."""
-        if self._held != self._window or self._from_earlier:
+        held = max(self._held - self._cleared, 0)
+        if held != self._window or self._from_earlier:
             found = UnsyncedUpdate(max(run.epoch, 0) + 1, run.position + (not self._reported_micro_batch),
-                                   self.loop_steps + 1, self._window, self._held, self._from_earlier,
-                                   applied_alone=not self.keeps_unreduced)
+                                   self.loop_steps + 1, self._window, held, self._from_earlier,
+                                   applied_alone=not self.keeps_unreduced, cleared=self._cleared)
             run.updates.took_an_unsynced_update(run, found)
+
+    @guarded(steering=False)
+    def _before_zero_grad(self, run: Run) -> None:
+        """The loop clears the gradients with micro-batches since its last step: a window it closed (the last
+        backward reduced) is dropped without an update; inside a window, what the clearing reaches is lost: FSDP2's
+        reduced gradients (those left unreduced wait in FSDP2's own buffers), DDP's every gradient so far."""
+        if not self._window:
+            return
+        if self._last_synced:  # closed: the sync was on at its last backward
+            dropped = DroppedWindow(max(run.epoch, 0) + 1, run.position + (not self._reported_micro_batch),
+                                    self.loop_steps, self._window)
+            self._window = self._held = self._from_earlier = self._cleared = 0
+            run.updates.took_a_dropped_window(run, dropped)
+            return
+        self._cleared = self._held if self.keeps_unreduced else self._window
+        self._from_earlier = 0
 
     @guarded(steering=True)
     def _after_step(self, run: Run) -> None:
         if self.keeps_unreduced:
             self._waiting += self._window - self._held
-        self._window, self._held, self._from_earlier = 0, 0, 0
+        self._window, self._held, self._from_earlier, self._cleared = 0, 0, 0, 0
         self.loop_steps += 1
         self._reported_micro_batch = True
         run.after_micro_batch(True, self.loop_steps)
@@ -295,10 +317,11 @@ class ReplicatedWatch(ShardedWatch):
 
     def _forward_hook(self, module: Any, args: Any, output: Any) -> None:
         """DDP reads the sync at the forward: the micro-batch and its backward's sync are known at once. On one
-        rank a gradient left unreduced is the average already: every micro-batch counts as reduced."""
+        rank a gradient left unreduced is the average already: every micro-batch counts as reduced
+        (:meth:`_watch_the_sync`)."""
         if module.training and self._grad_enabled() and _grad_tensor(output) is not None:
             self._micro_batch()
-            self._backward(self._alone or module.require_backward_grad_sync)
+            self._backward(module.require_backward_grad_sync)
 
     def _see_backwards(self) -> bool:
         return True  # DDP's sync is read at the forward, with the micro-batch

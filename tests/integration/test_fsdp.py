@@ -258,3 +258,79 @@ def test_a_ddp_loop_on_one_rank_has_nothing_left_unreduced():
     assert [sorted(update) for update in run.updates] == [[0, 1], [2, 3], [4]] * 2
     report = run.watch.report
     assert report.unsynced_updates == [] and (report.trainer_steps, report.engine_steps) == (6, 6)
+
+
+def test_a_window_gradscaler_skips_is_said_dropped_and_nothing_else_moves():
+    """fp16's recipe on a CPU (torch.amp.GradScaler("cpu"), as torch's AMP examples write it): a loss that is not
+    finite in the first window makes scaler.step skip optimizer.step(), and the loop's zero_grad() clears the window;
+    the watch says it trained nothing (the weights: its samples never move), and counts nothing else."""
+    import math
+
+    import torch
+
+    import stepsync
+
+    sharded()  # the process group, of one rank
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1, bias=False))
+    torch.nn.init.zeros_(model.module.weight)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler = torch.amp.GradScaler("cpu")
+    watch = stepsync.watch(model, optimizer=optimizer, gradient_accumulation_steps=2, dataloader=range(4),
+                           num_epochs=1, console=False, policy="raise")  # raise: a skip by design stops nothing
+    for i in range(4):
+        scaler.scale(model(torch.eye(4)[i:i + 1]).sum() * (math.nan if i == 0 else 1.0)).backward()
+        if i % 2:
+            scaler.step(optimizer), scaler.update(), optimizer.zero_grad()
+    report = watch.close()
+    assert model.module.weight.detach().flatten().tolist() == [0.0, 0.0, -1.0, -1.0]
+    assert (report.windows_dropped, report.trainer_steps, report.engine_steps) == (1, 1, 1)
+    assert str(report.dropped_windows[0]).startswith("the window of 2 micro-batch(es) ending at epoch 1, "
+                                                     "micro-batch 2 was cleared by optimizer.zero_grad() with no "
+                                                     "optimizer.step() after update 0: it trained nothing")
+    assert report.unsynced_updates == []
+
+
+@pytest.mark.parametrize("wrap", ["fsdp", "ddp"])
+def test_zero_grad_inside_the_window_is_said_where_it_clears_a_gradient(wrap):
+    """The slip of a loop that calls optimizer.zero_grad() before every micro-batch, the sync on at each window's
+    last (G=2, one weight per sample, plain SGD): DDP clears the window's first micro-batch (its sample never moves)
+    and the watch says so at each update; FSDP2 keeps an unreduced gradient in its own buffers, so nothing is lost
+    and nothing is said (both as measured here)."""
+    import contextlib
+
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    import stepsync
+
+    sharded()  # the process group, of one rank
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 1, bias=False))
+    torch.nn.init.zeros_(inner[0].weight)
+    model = torch.nn.parallel.DistributedDataParallel(inner) if wrap == "ddp" else fully_shard(inner)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    watch = stepsync.watch(model, optimizer=optimizer, gradient_accumulation_steps=2, dataloader=range(4),
+                           num_epochs=1, console=False)
+    for i in range(4):
+        last = i % 2 == 1
+        optimizer.zero_grad()
+        if wrap == "ddp":
+            with contextlib.nullcontext() if last else model.no_sync():
+                model(torch.eye(4)[i:i + 1]).sum().backward()
+        else:
+            model.set_requires_gradient_sync(last)
+            model(torch.eye(4)[i:i + 1]).sum().backward()
+        if last:
+            optimizer.step()
+    report = watch.close()
+    weight = inner[0].weight.full_tensor() if wrap == "fsdp" else inner[0].weight
+    moved = (-weight.detach()).flatten().tolist()
+    if wrap == "fsdp":
+        assert moved == [1.0, 1.0, 1.0, 1.0] and report.unsynced_updates == []
+    else:
+        assert moved == [0.0, 1.0, 0.0, 1.0]
+        assert [(u.update, u.window, u.held, u.cleared) for u in report.unsynced_updates] == [(1, 2, 1, 1),
+                                                                                             (2, 2, 1, 1)]
+        assert str(report.unsynced_updates[0]).startswith(
+            "update 1 at epoch 1, micro-batch 2: optimizer.zero_grad() inside the window cleared 1 of the 2 "
+            "micro-batches your loop gave it before the update")
+    assert report.windows_dropped == 0
