@@ -7,14 +7,11 @@ checkpoint saved inside an epoch has its epochs counted from the loop's first mi
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any, Optional
 
-from ..core.plan import RunPlan
-from ..engine.lifecycle import RunStart, start_training
-from ..engine.resume import LoopSaves
 from ..engine.run import Run
+from ..engine.watch import ResumingSaves
 
 
 def checkpoint_folder(save_dir: Any, tag: Any, engine: Any) -> str:
@@ -22,7 +19,7 @@ def checkpoint_folder(save_dir: Any, tag: Any, engine: Any) -> str:
     return os.path.join(os.fspath(save_dir), str(tag if tag is not None else f"global_step{engine.global_steps}"))
 
 
-class EngineCheckpoints(LoopSaves):
+class EngineCheckpoints(ResumingSaves):
     """What the engine watch knows of the checkpoints its loop saves (``engine.save_checkpoint``) and loads
     (``load_checkpoint``): the record it keeps in each, the saves a resume cannot continue from, the folder read."""
 
@@ -39,33 +36,3 @@ class EngineCheckpoints(LoopSaves):
         """``load_checkpoint`` read ``folder`` (None: it found no checkpoint, and loaded nothing)."""
         if folder is not None:
             super().after_load(run, folder, started)
-
-    def start_training(self, run: Run, opened: RunStart, num_epochs: Optional[float]) -> RunStart:
-        """The first micro-batch: training starts fresh, or from the checkpoint ``load_checkpoint`` read. Returns
-        what it started from (the forecast is made from it at the loop's first step())."""
-        if self.loaded is None:
-            start_training(run, opened, forecast_now=False)
-            return opened
-        folder, record = self.loaded
-        engine_steps, n = run.engine.global_steps, run.n
-        name = os.path.basename(os.path.normpath(folder))
-        if record is None:
-            # Saved without stepsync: the loop's count before it is kept nowhere; the engine's stands for it.
-            loop_steps, epoch, placed = engine_steps, 0, False
-        else:
-            loop_steps, epoch, placed = record.trainer_steps, record.next_epoch, record.next_skip == 0
-            if n is not None and record.next_skip >= n:
-                epoch, placed = epoch + 1, True
-        plan = None
-        if placed and n is not None and num_epochs is not None:
-            plan = RunPlan(n, run.g, num_epochs, -1, loop_steps, engine_steps, start=(epoch, 0))
-        started = dataclasses.replace(opened, trainer_steps=loop_steps, plan=plan, start_epoch=epoch, skip=0,
-                                      record=record)
-        start_training(run, started, resumed=True, forecast_now=False)
-        if record is None:
-            self.say_saved_without_stepsync(run, name, engine_steps)
-        elif not placed:
-            run.voice.warn(f"{name} was saved after micro-batch {record.next_skip} of epoch {record.next_epoch + 1}; "
-                           "stepsync cannot see where your loop resumes in it, so it counts that epoch from your "
-                           "loop's next micro-batch and makes no forecast")
-        return started

@@ -86,6 +86,7 @@ class UnsafeSaves:
             self.said = True
             run.voice.warn(text + " (later saves like it are counted in the report)")
 
+
 class LoopSaves:
     """What a loop watch knows of the checkpoints its loop saves and loads: the record it keeps in each, the saves a
     resume cannot continue from (:class:`UnsafeSaves`), and the folder read before the first micro-batch.

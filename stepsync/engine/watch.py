@@ -8,20 +8,24 @@ A watch of a loop the user writes (:class:`UserLoopWatch`) adds the loop's micro
 reports them, and :meth:`UserLoopWatch.close` (a context manager that closes on exit)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import os
 from typing import Any, Callable, ClassVar, Optional, TypeVar, Union
 
 from ..core.choices import Policy
 from ..core.errors import UnsupportedVersion
 from ..core.frameworks import Framework
+from ..core.plan import RunPlan
+from ..core.record import ResumeRecord
 from ..core.releases import installed_behaviour
 from ..core.report import SyncReport
 from ..core.tokens import Normalisation
 from ..core.versions import StackBehaviour
 from ..display.output import ConsoleOutput
 from .faults import Adapter, guarded
-from .lifecycle import RunStart, close_run, idle_report, open_run
+from .lifecycle import RunStart, close_run, idle_report, open_run, start_training
 from .loop_objects import InstancePatches
 from .resume import LoopSaves
 from .run import Run
@@ -29,6 +33,48 @@ from .run import Run
 Watch = TypeVar("Watch", bound="UserLoopWatch")
 NO_LENGTH = ("no dataloader length: pass dataloader=... to stepsync.watch() to tell its epochs apart and for a "
              "forecast")
+
+
+class ResumingSaves(LoopSaves):
+    """The checkpoints of a loop whose watch opens its run before the loop may load one: training starts at the
+    loop's first micro-batch, from the record of the checkpoint loaded by then."""
+
+    def start_training(self, run: Run, opened: RunStart, num_epochs: Optional[float],
+                       forecast_now: bool = False) -> RunStart:
+        """The first micro-batch of a loop that may have loaded a checkpoint: training starts fresh (``opened``), or
+        from the checkpoint read (its record's counts and epoch).
+        Returns what it started from; ``forecast_now=False`` leaves the forecast to the loop's first update."""
+        if self.loaded is None:
+            start_training(run, opened, forecast_now=forecast_now)
+            return opened
+        folder, record = self.loaded
+        self.restore_steps(run, record)
+        engine_steps, n = run.engine.global_steps, run.n
+        name = os.path.basename(os.path.normpath(folder))
+        if record is None:
+            # Saved without stepsync: the loop's count before it is kept nowhere; the updater's stands for it.
+            loop_steps, epoch, placed = engine_steps, 0, False
+        else:
+            loop_steps, epoch, placed = record.trainer_steps, record.next_epoch, record.next_skip == 0
+            if n is not None and record.next_skip >= n:
+                epoch, placed = epoch + 1, True
+        plan = None
+        if placed and n is not None and num_epochs is not None:
+            plan = RunPlan(n, run.g, num_epochs, -1, loop_steps, engine_steps, start=(epoch, 0))
+        started = dataclasses.replace(opened, trainer_steps=loop_steps, plan=plan, start_epoch=epoch, skip=0,
+                                      record=record)
+        start_training(run, started, resumed=True, forecast_now=forecast_now and plan is not None)
+        if record is None:
+            self.say_saved_without_stepsync(run, name, engine_steps)
+        elif not placed:
+            run.voice.warn(f"{name} was saved after micro-batch {record.next_skip} of epoch {record.next_epoch + 1}; "
+                           "stepsync cannot see where your loop resumes in it, so it counts that epoch from your "
+                           "loop's next micro-batch and makes no forecast")
+        return started
+
+    def restore_steps(self, run: Run, record: Optional[ResumeRecord]) -> None:
+        """Before a resumed run starts: the updater's count as the checkpoint restored it (DeepSpeed's engine
+        restores its own)."""
 
 
 class FrameworkWatch(Adapter):

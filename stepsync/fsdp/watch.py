@@ -33,6 +33,8 @@ from ..engine.optimizer import count_optimizer_steps, innermost_optimizer
 from ..engine.policies import WatchOnly, action_for
 from ..engine.run import Run
 from ..engine.watch import NO_LENGTH, UserLoopWatch
+from .checkpoints import DistributedCheckpoints, checkpoint_folder
+from .precision import precision_in_force
 
 
 def is_sharded(model: Any) -> bool:
@@ -69,35 +71,6 @@ def _grad_tensor(output: Any) -> Any:
     return next((found for found in map(_grad_tensor, values) if found is not None), None)
 
 
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def precision_in_force(model: Any) -> Optional[str]:
-    """FSDP2's mixed precision as each sharded module's ``MixedPrecisionPolicy`` sets it, in words; None where none
-    is set (every dtype the weights' own)."""
-    kept = next((p.dtype for p in model.parameters()), None)
-    found = []
-    for module in model.modules():
-        policy = getattr(getattr(module, "_get_fsdp_state", lambda: None)(), "_mp_policy", None)
-        compute = getattr(policy, "param_dtype", None)
-        reduce = getattr(policy, "reduce_dtype", None) or compute
-        if (compute, reduce) != (None, None) and (compute, reduce) not in found:
-            found.append((compute, reduce))
-    if not found:
-        return None
-    words = []
-    for compute, reduce in found:
-        text = (f"forward and backward in {_dtype_name(compute or kept)}, gradients reduced (and accumulated over "
-                f"the micro-batches whose sync is off) in {_dtype_name(reduce or kept)}")
-        if reduce is not None and kept is not None and reduce.itemsize < kept.itemsize:
-            text += (f" (sums in {_dtype_name(reduce)} round away a micro-batch's gradient much smaller than the "
-                     "window's; MixedPrecisionPolicy(reduce_dtype=torch.float32) keeps it)")
-        words.append(text)
-    return (f"FSDP2 mixed precision in force: {'; '.join(words)}; the sharded weights and the optimizer in "
-            f"{_dtype_name(kept)}")
-
-
 # FSDP2's callback at the end of each backward (queued once per backward by the state whose pre-backward hook
 # fired first): torch 2.13's name, read where it exists
 FSDP_BACKWARD_CALLBACK = "_root_post_backward_final_callback"
@@ -118,6 +91,7 @@ class ShardedWatch(UserLoopWatch):
     """
 
     framework = FSDP_LOOP
+    _checkpoints: DistributedCheckpoints
     keeps_unreduced = True  # a backward with the sync off leaves its gradient for the next synced one, past a step
 
     def __init__(self, model: Any, optimizer: Any, policy: Union[str, Policy], dataloader: Any,
@@ -138,6 +112,8 @@ class ShardedWatch(UserLoopWatch):
         self._alone = False  # one DDP rank: a gradient left unreduced is the average already
         self._reported_micro_batch = True  # the last backward's micro-batch is in the run's count
         self._hooks: list = []
+        self._checkpoints = DistributedCheckpoints()
+        self._num_epochs = num_epochs
         self._start(dataloader, num_epochs, gradient_accumulation_steps)
 
     def _start(self, dataloader: Any, num_epochs: Optional[float], g: int) -> None:
@@ -152,9 +128,11 @@ class ShardedWatch(UserLoopWatch):
         plan = None if n is None or num_epochs is None else RunPlan(n, g, num_epochs)
         # sync is this watch's own steering (the gradient sync): the run's action only watches
         action = WatchOnly(self.policy) if self.policy.steers_the_boundary else action_for(self.policy)
-        run = self._open(RunStart(self.framework, self.policy, steps, behaviour, n, g, self.output,
-                                  is_main=_rank() == 0, plan=plan, action=action,
-                                  loss_normalisation=self.loss_normalisation))
+        self._opened = RunStart(self.framework, self.policy, steps, behaviour, n, g, self.output,
+                                is_main=_rank() == 0, plan=plan, action=action,
+                                loss_normalisation=self.loss_normalisation)
+        # Training starts at the first micro-batch: a checkpoint loaded before it carries the report on.
+        run = self._open(self._opened, training_starts=False)
         if n is None:
             run.voice.note(NO_LENGTH)
         said = self._said_at_start()
@@ -199,10 +177,32 @@ class ShardedWatch(UserLoopWatch):
 
         self._patches.set(optimizer, "step", watched_step, as_method=True)
         self._call_before(optimizer, "zero_grad", self._before_zero_grad)
+        self._watch_checkpoints()
         self._backwards_seen = self._see_backwards()
         if self.policy.steers_the_boundary:
             self._hooks.append(self.model.register_forward_pre_hook(self._steer))
         self._hooks.append(self.model.register_forward_hook(self._forward_hook))
+
+    def _watch_checkpoints(self) -> None:
+        """``torch.distributed.checkpoint``'s ``save`` and ``load``, as the loop calls them through the module
+        (``dcp.save(...)``), keep and read stepsync's record while the watch is open."""
+        import torch.distributed.checkpoint as dcp
+
+        self._call_after(dcp, "save", lambda _, *args, **kwargs: self._saved(checkpoint_folder(kwargs)))
+        self._call_after(dcp, "load", lambda _, *args, **kwargs: self._loaded(checkpoint_folder(kwargs)))
+
+    def _saved(self, folder: Optional[str]) -> None:
+        if folder is not None:
+            self._after_save(folder)
+
+    def _loaded(self, folder: Optional[str]) -> None:
+        if self._opened is None or folder is not None:  # a load after training began is said whatever its folder
+            self._after_load(folder)
+
+    @guarded(steering=False)
+    def _after_save(self, run: Run, folder: str) -> None:
+        self._checkpoints.after_save(run, folder, self._window)
+        run.saved_checkpoint()
 
     def _undo_steering(self) -> None:
         for hook in self._hooks:
@@ -254,7 +254,10 @@ class ShardedWatch(UserLoopWatch):
 
     @guarded(steering=True)
     def _micro_batch(self, run: Run) -> None:
-        """A training micro-batch's forward ran."""
+        """A training micro-batch's forward ran (the first starts training, from a checkpoint loaded by then)."""
+        if self._opened is not None:
+            started = self._checkpoints.start_training(run, self._opened, self._num_epochs, forecast_now=True)
+            self.loop_steps, self._opened = started.trainer_steps, None
         self._micro_batch_begins(run, not self._reported_micro_batch)  # no optimizer.step() after the last one?
         self._reported_micro_batch = False
 

@@ -334,3 +334,50 @@ def test_zero_grad_inside_the_window_is_said_where_it_clears_a_gradient(wrap):
             "update 1 at epoch 1, micro-batch 2: optimizer.zero_grad() inside the window cleared 1 of the 2 "
             "micro-batches your loop gave it before the update")
     assert report.windows_dropped == 0
+
+
+def test_a_dcp_checkpoint_keeps_the_record_and_a_resume_carries_the_report_on(tmp_path):
+    """torch.distributed.checkpoint as PyTorch's DCP recipe writes it (dcp.save of the model's and the optimizer's
+    state dicts, dcp.load into fresh ones): the folder keeps stepsync's record; a job that resumes from it counts on
+    from it (updates, the optimizer's steps, the epoch) as the loop does, and its forecast is the rest of the plan."""
+    import json
+    import os
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import stepsync
+    from stepsync.core.record import RECORD_FILE
+
+    def job(resume: bool, epochs_run: range, save_after: int = -1):
+        model, optimizer = sharded()
+        watch = stepsync.watch(model, optimizer=optimizer, gradient_accumulation_steps=2, dataloader=range(4),
+                               num_epochs=2, console=False)
+        if resume:
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+            dcp.load(state, checkpoint_id=str(tmp_path / "epoch-1"))
+            model.load_state_dict(state["model"]), optimizer.load_state_dict(state["optimizer"])
+        for epoch in epochs_run:
+            for i in range(4):
+                model(torch.ones(1, 4)).sum().backward()
+                if i % 2:
+                    optimizer.step(), optimizer.zero_grad()
+                if i == save_after:
+                    dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                             checkpoint_id=str(tmp_path / f"epoch-{epoch + 1}" if i == 3 else tmp_path / "inside"))
+        return watch.close()
+
+    first = job(False, range(1), save_after=3)
+    saved = json.load(open(os.path.join(tmp_path, "epoch-1", RECORD_FILE)))
+    assert (saved["trainer_steps"], saved["engine_steps"], saved["next_epoch"], saved["next_skip"]) == (2, 2, 1, 0)
+    assert (first.trainer_steps, first.engine_steps) == (2, 2)
+    resumed = job(True, range(1, 2))
+    assert (resumed.trainer_steps, resumed.engine_steps) == (4, 4) and resumed.resumed_from is not None
+    assert [(row.epoch, row.trainer_steps, row.engine_steps) for row in resumed.epochs] == [(2, 4, 4)]
+    assert [(row.epoch, row.trainer_steps) for row in resumed.forecast.epochs] == [(2, 4)]
+    assert resumed.forecast_mismatches == [] and resumed.events == []
+    inside = job(False, range(1), save_after=2)  # after micro-batch 3, inside the second window
+    said = [note for note in inside.notes if note.startswith("checkpoint inside:")]
+    assert said == ["checkpoint inside: it was saved inside your loop's window (1 micro-batch(es) after its last "
+                    "update): a checkpoint keeps no gradient, so a resume from it loses them: save after the "
+                    "optimizer.step() that closes a window (later saves like it are counted in the report)"]

@@ -1,0 +1,41 @@
+"""A torch-native loop's checkpoints, written and read with ``torch.distributed.checkpoint``: stepsync's record in
+every folder ``dcp.save`` writes, a save a resume cannot continue from exactly said when it is made, and a
+``dcp.load`` before the first micro-batch that carries the report on."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from ..core.record import ResumeRecord
+from ..engine.run import Run
+from ..engine.watch import ResumingSaves
+
+
+class DistributedCheckpoints(ResumingSaves):
+    """What a torch-native loop's watch knows of the checkpoints its loop writes and reads with
+    ``torch.distributed.checkpoint`` (``dcp.save``, ``dcp.load``): stepsync's record in each folder, a save a resume
+    cannot continue from exactly, and the record read before the first micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.distributed.checkpoint.load")
+
+    def after_save(self, run: Run, folder: str, since_loop_update: int) -> None:
+        """Keep the record in the folder (each node's first process), and say a save a resume cannot continue from
+        exactly."""
+        self.keep_the_record(run, folder, int(os.environ.get("LOCAL_RANK", "0") or 0) == 0)
+        self.saves.check(run, folder, since_loop_update, "a checkpoint keeps no gradient, so a resume from it loses "
+                                                         "them: save after the optimizer.step() that closes a window")
+
+    def restore_steps(self, run: Run, record: Optional[ResumeRecord]) -> None:
+        """The optimizer's steps are counted from the watch's start: a record carries them on."""
+        if record is not None:
+            run.engine.global_steps = record.engine_steps
+
+
+def checkpoint_folder(kwargs: dict) -> Optional[str]:
+    """The folder a ``dcp.save`` or ``dcp.load`` call names: its ``checkpoint_id``, or its storage's ``path``."""
+    found = kwargs.get("checkpoint_id")
+    if found is None:
+        storage = kwargs.get("storage_writer", kwargs.get("storage_reader"))
+        found = getattr(storage, "path", None)
+    return None if found is None else os.fspath(found)
