@@ -7,6 +7,7 @@ import os
 from typing import Optional
 
 from ..core.record import ResumeRecord
+from ..engine.lifecycle import RunStart
 from ..engine.run import Run
 from ..engine.watch import ResumingSaves
 
@@ -25,6 +26,22 @@ class DistributedCheckpoints(ResumingSaves):
         self.keep_the_record(run, folder, int(os.environ.get("LOCAL_RANK", "0") or 0) == 0)
         self.saves.check(run, folder, since_loop_update, "a checkpoint keeps no gradient, so a resume from it loses "
                                                          "them: save after the optimizer.step() that closes a window")
+
+    def start_training(self, run: Run, opened: RunStart, num_epochs: Optional[float],
+                       forecast_now: bool = False) -> RunStart:
+        """As a resumed loop starts: also a checkpoint saved on another number of ranks, which DCP reshards (the
+        weights, the optimizer's state) while the data position stays the loop's own."""
+        started = super().start_training(run, opened, num_epochs, forecast_now)
+        record, now = started.record, run.facts.data_parallel_size
+        saved_on = getattr(record, "world_size", None)
+        if record is not None and saved_on not in (None, now) and record.next_skip:
+            run.voice.warn(f"this checkpoint was saved on {saved_on} rank(s), inside epoch {record.next_epoch + 1} "
+                           f"(each rank had done {record.next_skip} micro-batch(es) of it), and the run resumed on "
+                           f"{now}: torch.distributed.checkpoint reshards the weights and the optimizer's state, not "
+                           "where each rank is in its data, so skipping as many micro-batches on each rank now "
+                           "trains other samples than those left: resume from a checkpoint saved at an epoch's end, "
+                           "or on the ranks it was saved on")
+        return started
 
     def restore_steps(self, run: Run, record: Optional[ResumeRecord]) -> None:
         """The optimizer's steps are counted from the watch's start: a record carries them on."""

@@ -25,6 +25,7 @@ from ..core.errors import StepSyncConfigError
 from ..core.events import DroppedWindow, UnsyncedUpdate
 from ..core.frameworks import DDP_LOOP, FSDP_LOOP
 from ..core.plan import RunPlan
+from ..core.relayout import Layout
 from ..core.tokens import Normalisation
 from ..engine.faults import guarded
 from ..engine.lifecycle import RunStart
@@ -51,6 +52,15 @@ def _rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _layout(dataloader: Any, g: int) -> Optional[Layout]:
+    """How the loop splits its data (kept in every record), where its dataloader says its batch and dataset."""
+    batch, dataset = getattr(dataloader, "batch_size", None), getattr(dataloader, "dataset", None)
+    examples = length_of(dataset)
+    if not isinstance(batch, int) or batch < 1 or not examples:
+        return None
+    return Layout(_world(), batch, g, examples, drop_last=bool(getattr(dataloader, "drop_last", False)))
 
 
 def _world() -> int:
@@ -130,7 +140,7 @@ class ShardedWatch(UserLoopWatch):
         action = WatchOnly(self.policy) if self.policy.steers_the_boundary else action_for(self.policy)
         self._opened = RunStart(self.framework, self.policy, steps, behaviour, n, g, self.output,
                                 is_main=_rank() == 0, plan=plan, action=action,
-                                loss_normalisation=self.loss_normalisation)
+                                loss_normalisation=self.loss_normalisation, layout=_layout(dataloader, g))
         # Training starts at the first micro-batch: a checkpoint loaded before it carries the report on.
         run = self._open(self._opened, training_starts=False)
         if n is None:

@@ -1,6 +1,7 @@
 """Run under `torchrun --nproc_per_node 2`: the FSDP2 and DDP loops of tests/harness/fsdp_loops.py, 5 micro-batches per
 rank, G=2, 2 epochs, for each way they turn the gradient sync on and each policy, and accelerate's DDP loop (right,
-and with the sync never on); each rank writes what it saw to OUT/rank-R.json.
+and with the sync never on); each rank writes what it saw to OUT/rank-R.json; a torch.distributed.checkpoint of the
+FSDP2 loop saved inside its first epoch goes to OUT/dcp-inside-epoch-1.
 
 Usage: python -m torch.distributed.run --nproc_per_node 2 tests/entry/fsdp_ranks.py OUT
 """
@@ -37,6 +38,8 @@ def main(out_dir: str) -> None:
             "summary": str(report) if report else None,
             "ranks_apart": str(report.ranks_apart) if report and report.ranks_apart else None,
         }
+    # a checkpoint of the FSDP2 loop, saved inside its first epoch (after 2 of each rank's 5 micro-batches)
+    run_sharded_loop(5, 2, 1, "last", "warn", save_to=os.path.join(out_dir, "dcp-inside-epoch-1"), save_after=2)
     dump(os.path.join(out_dir, f"rank-{int(os.environ['RANK'])}.json"), results)
 
 

@@ -38,12 +38,14 @@ class ShardedLoopRun:
 
 
 def run_sharded_loop(per_rank: int, g: int, epochs: int, sync_at: str = "last", policy: Optional[str] = None,
-                     wrap: str = "fsdp") -> ShardedLoopRun:
+                     wrap: str = "fsdp", save_to: Optional[str] = None, save_after: int = 0) -> ShardedLoopRun:
     """The loop above on this process group (one is started for a single process), its model ``wrap``'s
     (``"fsdp"``: FSDP2, ``"ddp"``: DistributedDataParallel, ``"accelerate"``: DDP as ``Accelerator(cpu=True)``
     prepares it, with its dataloader and optimizer, the loop under ``accelerator.accumulate(model)`` as accelerate's
     examples/by_feature/gradient_accumulation.py writes it, or each backward under ``accelerator.no_sync(model)`` for
-    ``sync_at="never"``); ``policy``: ``stepsync.watch(model, optimizer=...)`` under it (None: not watched)."""
+    ``sync_at="never"``); ``policy``: ``stepsync.watch(model, optimizer=...)`` under it (None: not watched);
+    ``save_to``: a folder ``torch.distributed.checkpoint.save`` writes the model's and the optimizer's state into
+    after the first epoch's first ``save_after`` micro-batches, as PyTorch's DCP recipe saves."""
     import contextlib
 
     import torch
@@ -80,16 +82,19 @@ def run_sharded_loop(per_rank: int, g: int, epochs: int, sync_at: str = "last", 
     # sample j's row is (j + 1) times its one-hot row (its gradient j + 1), so ranks that part differ in their sums
     scale = torch.arange(1, samples + 1, dtype=torch.float32)
     rows = torch.diag(scale)
-    loader: Any = [rows[i * world + rank:i * world + rank + 1] for i in range(per_rank)]
+    data = torch.utils.data.TensorDataset(rows)
+    # each rank's share as DistributedSampler deals it without shuffling: rank r's i-th batch is sample i * world + r
+    loader: Any = torch.utils.data.DataLoader(data, batch_size=1, sampler=torch.utils.data.DistributedSampler(
+        data, num_replicas=world, rank=rank, shuffle=False))
     accelerator = None
-    if wrap == "accelerate":  # accelerate shards the data: rank r's i-th batch is sample i * world + r
+    if wrap == "accelerate":  # accelerate shards the data itself, the same way
         from accelerate import Accelerator, FullyShardedDataParallelPlugin
 
         # asked for FSDP2, as a script written for GPUs asks: on a CPU accelerate wraps the model in DDP instead
         accelerator = Accelerator(cpu=True, gradient_accumulation_steps=g,
                                   fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
-        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(rows), batch_size=1)
-        model, optimizer, loader = accelerator.prepare(model, optimizer, data)
+        model, optimizer, loader = accelerator.prepare(model, optimizer,
+                                                       torch.utils.data.DataLoader(data, batch_size=1))
     run = ShardedLoopRun(world=world)
     if policy is not None:
         import stepsync
@@ -117,10 +122,10 @@ def run_sharded_loop(per_rank: int, g: int, epochs: int, sync_at: str = "last", 
                 accelerator.backward(model(batch[0]).sum())
         elif wrap == "ddp":
             with contextlib.nullcontext() if sync else model.no_sync():
-                model(batch).sum().backward()
+                model(batch[0]).sum().backward()
         else:
             model.set_requires_gradient_sync(sync)
-            model(batch).sum().backward()
+            model(batch[0]).sum().backward()
         if ends:
             optimizer.step()
             optimizer.zero_grad()
@@ -129,7 +134,7 @@ def run_sharded_loop(per_rank: int, g: int, epochs: int, sync_at: str = "last", 
     per_loss = g if accelerator is not None else 1  # accelerator.backward divides each loss by G
     last = weights()
     try:
-        for _ in range(epochs):
+        for epoch in range(epochs):
             for i, batch in enumerate(loader):
                 if train(i, batch):
                     run.steps += 1
@@ -137,6 +142,11 @@ def run_sharded_loop(per_rank: int, g: int, epochs: int, sync_at: str = "last", 
                     moves = ((last - now) * world / scale * per_loss).tolist()
                     run.updates.append({j: round(share, 6) for j, share in enumerate(moves) if abs(share) > 1e-9})
                     last = now
+                if save_to is not None and (epoch, i + 1) == (0, save_after):
+                    import torch.distributed.checkpoint as dcp
+
+                    dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                             checkpoint_id=save_to)
     except StepSyncError as exc:
         run.error = exc
     if run.watch is not None:

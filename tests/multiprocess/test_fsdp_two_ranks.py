@@ -14,11 +14,15 @@ WRAPS = ["fsdp", "ddp"]
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def run_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("fsdp")
+
+
+@pytest.fixture(scope="module")
+def ranks(run_dir):
     from harness.runs import two_ranks
 
-    return two_ranks(entry_script("fsdp_ranks.py"), tmp_path_factory.mktemp("fsdp"),
-                     what="two-rank FSDP2 and DDP loops")[:2]
+    return two_ranks(entry_script("fsdp_ranks.py"), run_dir, what="two-rank FSDP2 and DDP loops")[:2]
 
 
 def held_by_the_weights(updates):
@@ -143,3 +147,43 @@ def test_an_accelerate_loop_without_deepspeed_is_watched_through_the_ddp_it_prep
     assert ranks[0]["accelerate-never-warn"]["ranks_apart"].startswith("the 2 ranks' copies of the weights differ")
     assert all(dropped not in ranks[0][run]["notes"] for run in ranks[0] if run.startswith("ddp-") and
                ranks[0][run]["notes"] is not None)  # a DDP loop no one asked to shard
+
+
+def test_a_checkpoint_saved_on_two_ranks_inside_an_epoch_is_said_where_one_rank_resumes_it(ranks, run_dir):
+    """The FSDP2 loop saved with torch.distributed.checkpoint on two ranks after 2 of each rank's 5 micro-batches;
+    one process loads it (DCP reshards the weights): the report carries on from the record, and the resume on another
+    number of ranks inside an epoch is said, since the data position is the loop's own."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard
+
+    import stepsync
+    from stepsync.tools.tiny_run import cpu_distributed_env
+
+    if not dist.is_initialized():
+        cpu_distributed_env()
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    model = torch.nn.Module()
+    model.layer = torch.nn.Linear(PER_RANK * WORLD, 1, bias=False)
+    model.forward = lambda rows: model.layer(rows)
+    fully_shard(model.layer)
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.eye(PER_RANK * WORLD)), batch_size=1)
+    watch = stepsync.watch(model, optimizer=optimizer, gradient_accumulation_steps=G, dataloader=loader,
+                           num_epochs=1, console=False)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    dcp.load(state, checkpoint_id=os.path.join(str(run_dir), "dcp-inside-epoch-1"))
+    model(torch.eye(PER_RANK * WORLD)[:1]).sum().backward()
+    report = watch.close()
+    assert report.resumed_from is not None and report.resumed_from.world_size == 2
+    assert (report.resumed_from.trainer_steps, report.resumed_from.next_skip) == (1, 2)
+    said = [note for note in report.notes if note.startswith("this checkpoint was saved on 2 rank(s)")]
+    assert said == ["this checkpoint was saved on 2 rank(s), inside epoch 1 (each rank had done 2 micro-batch(es) "
+                    "of it), and the run resumed on 1: torch.distributed.checkpoint reshards the weights and the "
+                    "optimizer's state, not where each rank is in its data, so skipping as many micro-batches on "
+                    "each rank now trains other samples than those left: resume from a checkpoint saved at an "
+                    "epoch's end, or on the ranks it was saved on"]
