@@ -142,7 +142,7 @@ class TorchSpec:
     shows: str
 
     def requirements(self) -> List[str]:
-        return list(TEST_REQUIREMENTS)
+        return ["numpy", *TEST_REQUIREMENTS]  # torch.distributed.checkpoint needs numpy, which torch leaves out
 
 
 TORCH_STACKS = (TorchSpec("torch", "2026-11-30", "torch alone: the FSDP2 and DDP watches without the others"),)
