@@ -23,14 +23,11 @@ class EngineCheckpoints(ResumingSaves):
     """What the engine watch knows of the checkpoints its loop saves (``engine.save_checkpoint``) and loads
     (``load_checkpoint``): the record it keeps in each, the saves a resume cannot continue from, the folder read."""
 
+    save_where = "save after a step() that closes your loop's window"
+
     def __init__(self) -> None:
         super().__init__("load_checkpoint")
 
-    def after_save(self, run: Run, folder: str, since_loop_update: int) -> None:
-        """Keep the record in the folder (each node's first process), and say a save a resume cannot continue from
-        exactly."""
-        self.keep_the_record(run, folder, int(os.environ.get("LOCAL_RANK", "0") or 0) == 0)
-        self.saves.check(run, folder, since_loop_update, "save after a step() that closes your loop's window")
 
     def after_load(self, run: Run, folder: Optional[str], started: bool) -> None:
         """``load_checkpoint`` read ``folder`` (None: it found no checkpoint, and loaded nothing)."""

@@ -260,10 +260,8 @@ class EngineWatch(UserLoopWatch):
 
     # ------------------------------------------------------------ checkpoints
 
-    @guarded(steering=False)
-    def _after_save(self, run: Run, folder: str) -> None:
-        self._checkpoints.after_save(run, folder, self._since_loop_update)
-        run.saved_checkpoint()
+    def _in_window(self) -> int:
+        return self._since_loop_update
 
     # ------------------------------------------------------------ end
 

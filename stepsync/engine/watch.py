@@ -36,8 +36,20 @@ NO_LENGTH = ("no dataloader length: pass dataloader=... to stepsync.watch() to t
 
 
 class ResumingSaves(LoopSaves):
-    """The checkpoints of a loop whose watch opens its run before the loop may load one: training starts at the
-    loop's first micro-batch, from the record of the checkpoint loaded by then."""
+    """The checkpoints of a loop whose watch opens its run before the loop may load one: the record kept in each it
+    saves, and training started at the loop's first micro-batch, from the record of the checkpoint loaded by then.
+
+    Attributes:
+        save_where: where a save a resume can continue from exactly goes, as a message says it.
+    """
+
+    save_where: ClassVar[str]
+
+    def after_save(self, run: Run, folder: str, since_loop_update: int) -> None:
+        """Keep the record in the folder (each node's first process), and say a save a resume cannot continue from
+        exactly."""
+        self.keep_the_record(run, folder, int(os.environ.get("LOCAL_RANK", "0") or 0) == 0)
+        self.saves.check(run, folder, since_loop_update, self.save_where)
 
     def start_training(self, run: Run, opened: RunStart, num_epochs: Optional[float],
                        forecast_now: bool = False) -> RunStart:
@@ -137,6 +149,22 @@ class FrameworkWatch(Adapter):
 
         self._patches.set(owner, name, watched)
 
+    def _call_around(self, owner: Any, name: str, before: Callable[[], None], after: Callable[[], None],
+                     as_method: bool = False) -> None:
+        """``owner.name``, on this instance, calls ``before()`` first and ``after()`` once it returned; given back at
+        close (``as_method``: set as a bound method, for code that reads its ``__func__``, as an LR scheduler
+        does of an optimizer's ``step``)."""
+        method = getattr(owner, name)
+
+        @functools.wraps(method)
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            before()
+            result = method(*args, **kwargs)
+            after()
+            return result
+
+        self._patches.set(owner, name, watched, as_method=as_method)
+
     def _call_after(self, owner: Any, name: str, hook: Callable[..., None]) -> None:
         """``owner.name``, on this instance, calls ``hook(result, *args, **kwargs)`` once it returned (where the
         framework has the method); given back at close."""
@@ -205,6 +233,19 @@ class UserLoopWatch(FrameworkWatch):
         if run is not None:
             self._loop_ends(run, self._unreported())
         close_run(self.report, run, self.loop_steps)
+
+    @guarded(steering=False)
+    def _after_save(self, run: Run, folder: str) -> None:
+        """The loop saved ``folder``: the record kept in it, a save inside the loop's window said, the ranks'
+        copies of the weights compared."""
+        checkpoints = self._checkpoints
+        assert isinstance(checkpoints, ResumingSaves)  # the watches whose loops' saves it wraps keep theirs so
+        checkpoints.after_save(run, folder, self._in_window())
+        run.saved_checkpoint()
+
+    def _in_window(self) -> int:
+        """The loop's micro-batches since its last update."""
+        return 0
 
     @guarded(steering=False)
     def _after_load(self, run: Run, folder: Optional[str]) -> None:

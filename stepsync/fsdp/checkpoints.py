@@ -17,15 +17,12 @@ class DistributedCheckpoints(ResumingSaves):
     ``torch.distributed.checkpoint`` (``dcp.save``, ``dcp.load``): stepsync's record in each folder, a save a resume
     cannot continue from exactly, and the record read before the first micro-batch."""
 
+    save_where = ("a checkpoint keeps no gradient, so a resume from it loses them: save after the optimizer.step() "
+                  "that closes a window")
+
     def __init__(self) -> None:
         super().__init__("torch.distributed.checkpoint.load")
 
-    def after_save(self, run: Run, folder: str, since_loop_update: int) -> None:
-        """Keep the record in the folder (each node's first process), and say a save a resume cannot continue from
-        exactly."""
-        self.keep_the_record(run, folder, int(os.environ.get("LOCAL_RANK", "0") or 0) == 0)
-        self.saves.check(run, folder, since_loop_update, "a checkpoint keeps no gradient, so a resume from it loses "
-                                                         "them: save after the optimizer.step() that closes a window")
 
     def start_training(self, run: Run, opened: RunStart, num_epochs: Optional[float],
                        forecast_now: bool = False) -> RunStart:

@@ -177,15 +177,7 @@ class ShardedWatch(UserLoopWatch):
         # the torch optimizer's own step: accelerate's wrapper calls it only where it updates (sync_gradients)
         optimizer = innermost_optimizer(self.optimizer)
         assert optimizer is not None  # _start refuses one without step hooks
-        step = optimizer.step
-
-        def watched_step(*args: Any, **kwargs: Any) -> Any:
-            self._before_step()
-            result = step(*args, **kwargs)
-            self._after_step()
-            return result
-
-        self._patches.set(optimizer, "step", watched_step, as_method=True)
+        self._call_around(optimizer, "step", self._before_step, self._after_step, as_method=True)
         self._call_before(optimizer, "zero_grad", self._before_zero_grad)
         self._watch_checkpoints()
         self._backwards_seen = self._see_backwards()
@@ -209,10 +201,8 @@ class ShardedWatch(UserLoopWatch):
         if self._opened is None or folder is not None:  # a load after training began is said whatever its folder
             self._after_load(folder)
 
-    @guarded(steering=False)
-    def _after_save(self, run: Run, folder: str) -> None:
-        self._checkpoints.after_save(run, folder, self._window)
-        run.saved_checkpoint()
+    def _in_window(self) -> int:
+        return self._window
 
     def _undo_steering(self) -> None:
         for hook in self._hooks:
