@@ -17,6 +17,7 @@ from rich.text import Text
 
 from ..core.prediction import EpochForecast, Forecast
 from ..core.report import DriftEvent, SyncReport
+from ..core.versions import installed_version
 
 
 def print_view(console: Console, view: Any) -> None:
@@ -101,8 +102,9 @@ def forecast_table(forecast: Forecast, title: Optional[str] = None) -> Table:
     shown = epochs if len(epochs) <= SHOWN_EPOCHS else epochs[:SHOWN_EPOCHS // 2] + epochs[-SHOWN_EPOCHS // 2:]
     rows = [[cell(row) for _, cell in columns] for row in shown]
     stack, packages = forecast.behaviour.stack, forecast.behaviour.framework.packages
-    # the releases that decide this framework's counting, as the stack names them
-    table_caption = ", ".join(f"{p} {getattr(stack, p)}" for p in packages if hasattr(stack, p)) or str(stack)
+    # the releases that decide this framework's counting: as the stack names them, else as installed here
+    table_caption = ", ".join(f"{p} {getattr(stack, p)}" if hasattr(stack, p) else
+                              f"{p} {installed_version(p) or 'not installed here'}" for p in packages)
     if len(shown) < len(epochs):  # a long run: its first and last epochs (--json has them all)
         rows.insert(SHOWN_EPOCHS // 2, ["..."] * len(columns))
         table_caption += f"; {len(epochs) - len(shown)} epochs between not shown (--json has every one)"

@@ -606,3 +606,12 @@ def test_the_printed_verdict_agrees_with_the_exit_status(tmp_path, args):
     data = json.loads(stepsync("check", "--transformers", "5.24.0", *args, "--json").stdout)
     assert proc.returncode in (0, 1) and data["verdict"].split(":")[0] == ("aligned", "affected")[proc.returncode]
     assert ("affected: " in proc.stdout) == (proc.returncode == 1) != ("aligned: " in proc.stdout), proc.stdout
+
+
+@pytest.mark.parametrize("framework", ["fsdp", "ddp"])
+def test_a_torch_loops_forecast_names_torch_not_the_trainers_releases(framework):
+    """A torch-native loop's count is decided by torch alone: the forecast's caption names torch, as installed here."""
+    proc = stepsync("check", "--framework", framework, "--micro-batches-per-epoch", "5", "--gas", "2", "--epochs", "2")
+    installed = importlib.util.find_spec("torch") is not None
+    assert proc.returncode == 0, proc.stderr
+    assert ("torch not installed here" in proc.stdout) is not installed and "transformers" not in proc.stdout
