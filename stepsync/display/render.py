@@ -104,7 +104,7 @@ def forecast_table(forecast: Forecast, title: Optional[str] = None) -> Table:
     stack, packages = forecast.behaviour.stack, forecast.behaviour.framework.packages
     # the releases that decide this framework's counting: as the stack names them, else as installed here
     table_caption = ", ".join(f"{p} {getattr(stack, p)}" if hasattr(stack, p) else
-                              f"{p} {installed_version(p) or 'not installed here'}" for p in packages)
+                              f"{p} {installed_version(p) or 'not installed here'}" for p in packages) or str(stack)
     if len(shown) < len(epochs):  # a long run: its first and last epochs (--json has them all)
         rows.insert(SHOWN_EPOCHS // 2, ["..."] * len(columns))
         table_caption += f"; {len(epochs) - len(shown)} epochs between not shown (--json has every one)"
