@@ -10,11 +10,12 @@ the rest of the window waits for the next update. A DDP loop runs the window's o
 ``model.no_sync()``; DDP reads the sync at each forward, and an update applies the micro-batches after the window's
 last synced backward on their own rank alone, so the ranks' weights part.
 
-The watch wraps the model instance's ``set_requires_gradient_sync`` (the sync in force), a forward hook on the model
-(each training micro-batch, its backward read at its output's gradient) and the optimizer's ``step``: before each
-step it holds the micro-batches the update will apply against the window the loop closed. ``raise`` stops before
-such an update applies anything; ``sync`` turns the sync on at the last micro-batch of each of the loop's windows
-(every G-th of an epoch and its last) and off elsewhere; ``warn`` changes nothing.
+The watch wraps the model instance's ``set_requires_gradient_sync`` (the sync in force), hooks the model's forward
+(each training micro-batch; each backward is told by FSDP2's own per-backward callback, DDP's sync read at the
+forward), and wraps the torch optimizer's ``step`` and ``zero_grad`` and ``torch.distributed.checkpoint``'s ``save``
+and ``load``: before each step it holds the micro-batches the update will apply against the window the loop closed.
+``raise`` stops before such an update applies anything; ``sync`` turns the sync on at the last micro-batch of each of
+the loop's windows (every G-th of an epoch and its last) and off elsewhere; ``warn`` changes nothing.
 """
 from __future__ import annotations
 
