@@ -55,19 +55,13 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _layout(dataloader: Any, g: int) -> Optional[Layout]:
+def _layout(dataloader: Any, ranks: int, g: int) -> Optional[Layout]:
     """How the loop splits its data (kept in every record), where its dataloader says its batch and dataset."""
     batch, dataset = getattr(dataloader, "batch_size", None), getattr(dataloader, "dataset", None)
     examples = length_of(dataset)
     if not isinstance(batch, int) or batch < 1 or not examples:
         return None
-    return Layout(_world(), batch, g, examples, drop_last=bool(getattr(dataloader, "drop_last", False)))
-
-
-def _world() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return Layout(ranks, batch, g, examples, drop_last=bool(getattr(dataloader, "drop_last", False)))
 
 
 def _grad_tensor(output: Any) -> Any:
@@ -120,7 +114,7 @@ class ShardedWatch(UserLoopWatch):
         self._waiting = 0  # micro-batches of earlier windows still unreduced
         self._cleared = 0  # of the window, those an optimizer.zero_grad() inside it cleared
         self._last_synced = False  # the sync the loop set for its last backward: on where it closes its window
-        self._alone = False  # one DDP rank: a gradient left unreduced is the average already
+        self._alone = False  # one DDP rank: a gradient left unreduced is the average already (set at the start)
         self._reported_micro_batch = True  # the last backward's micro-batch is in the run's count
         self._hooks: list = []
         self._checkpoints = DistributedCheckpoints()
@@ -135,13 +129,16 @@ class ShardedWatch(UserLoopWatch):
         if steps is None:
             raise StepSyncConfigError("stepsync.watch(model, optimizer=...) needs the torch optimizer your loop "
                                       f"steps; {type(self.optimizer).__name__} has no step hooks")
+        ranks = steps.facts.data_parallel_size
+        self._alone = not self.keeps_unreduced and ranks == 1
         n = length_of(dataloader)
         plan = None if n is None or num_epochs is None else RunPlan(n, g, num_epochs)
         # sync is this watch's own steering (the gradient sync): the run's action only watches
         action = WatchOnly(self.policy) if self.policy.steers_the_boundary else action_for(self.policy)
         self._opened = RunStart(self.framework, self.policy, steps, behaviour, n, g, self.output,
                                 is_main=_rank() == 0, plan=plan, action=action,
-                                loss_normalisation=self.loss_normalisation, layout=_layout(dataloader, g))
+                                loss_normalisation=self.loss_normalisation,
+                                layout=_layout(dataloader, ranks, g))
         # Training starts at the first micro-batch: a checkpoint loaded before it carries the report on.
         run = self._open(self._opened, training_starts=False)
         if n is None:
@@ -223,7 +220,12 @@ class ShardedWatch(UserLoopWatch):
         if tensor is None:
             return
         self._micro_batch()
-        if not self._backwards_seen:  # FSDP2 reads the sync at the backward: read it there
+        self._backward_follows(module, tensor)
+
+    def _backward_follows(self, module: Any, tensor: Any) -> None:
+        """The micro-batch's backward will run through ``tensor``: FSDP2 reads the sync at the backward, so it is
+        read there (at FSDP2's own callback, else at a hook on ``tensor``)."""
+        if not self._backwards_seen:
             tensor.register_hook(self._backward_begins)
 
     def _backward_begins(self, grad: Any) -> None:
@@ -319,13 +321,10 @@ class ReplicatedWatch(ShardedWatch):
     framework = DDP_LOOP
     keeps_unreduced = False
 
-    def _forward_hook(self, module: Any, args: Any, output: Any) -> None:
-        """DDP reads the sync at the forward: the micro-batch and its backward's sync are known at once. On one
-        rank a gradient left unreduced is the average already: every micro-batch counts as reduced
-        (:meth:`_watch_the_sync`)."""
-        if module.training and self._grad_enabled() and _grad_tensor(output) is not None:
-            self._micro_batch()
-            self._backward(module.require_backward_grad_sync)
+    def _backward_follows(self, module: Any, tensor: Any) -> None:
+        """DDP reads the sync at the forward: the backward's sync is known at once (on one rank every micro-batch
+        counts as reduced: a gradient left unreduced is the average already)."""
+        self._backward(module.require_backward_grad_sync)
 
     def _see_backwards(self) -> bool:
         return True  # DDP's sync is read at the forward, with the micro-batch
@@ -341,9 +340,7 @@ class ReplicatedWatch(ShardedWatch):
         self.model.require_backward_grad_sync = on
 
     def _watch_the_sync(self) -> None:
-        """DDP's switch is an attribute, read at each forward: nothing to wrap. On one rank nothing is left
-        unreduced."""
-        self._alone = _world() == 1
+        """DDP's switch is an attribute, read at each forward: nothing to wrap."""
 
     def close(self) -> Any:
         if self.policy.steers_the_boundary and self._hooks:
