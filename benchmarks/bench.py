@@ -16,6 +16,7 @@ the share of the loop's time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import statistics
@@ -257,6 +258,28 @@ def measure_resume_check(repeats: int):
 ENGINE_HOOKS = ("_before_backward", "_before_step", "_after_step")
 
 
+@contextlib.contextmanager
+def timed_on_the_class(cls, hooks):
+    """Each of ``cls``'s methods ``hooks`` timed (its samples yielded by name), set on the class before a watch binds
+    them as it starts; given back after."""
+    samples = {name: [] for name in hooks}
+    originals = {name: getattr(cls, name) for name in hooks}
+    for name in hooks:
+        setattr(cls, name, TimedCallback._timed(originals[name], samples[name]))
+    try:
+        yield samples
+    finally:
+        for name, original in originals.items():
+            setattr(cls, name, original)
+
+
+def watch_figures(samples, micro_batches: int, loop_ns: int):
+    """(each hook's median us, the us per micro-batch spent in all of them, the share of the loop they leave)."""
+    hooks_ns = sum(sum(taken) for taken in samples.values())
+    medians = {name: statistics.median(taken) / 1000 if taken else 0.0 for name, taken in samples.items()}
+    return medians, hooks_ns / micro_batches / 1000, 1 - hooks_ns / loop_ns
+
+
 def measure_engine_watch(micro_batches: int, gas: int):
     """(f): DeepSpeed-Chat's loop (backward() and step() on every micro-batch, the engine's G) and open-instruct's
     learner (``gas`` backward() calls per step(), the config's G=1), ZeRO-2, the tiny GPT-2 the Trainer's runs train,
@@ -283,11 +306,7 @@ def measure_engine_watch(micro_batches: int, gas: int):
                       "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
             engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3),
                                               config=config)
-            samples = {name: [] for name in ENGINE_HOOKS}
-            originals = {name: getattr(EngineWatch, name) for name in ENGINE_HOOKS}
-            for name in ENGINE_HOOKS:  # on the class: the watch binds its backward hook as it starts
-                setattr(EngineWatch, name, TimedCallback._timed(originals[name], samples[name]))
-            try:
+            with timed_on_the_class(EngineWatch, ENGINE_HOOKS) as samples:
                 watch = stepsync.watch(engine, policy, dataloader=batches, num_epochs=1, console=False)
                 start = time.perf_counter_ns()
                 for i, batch in enumerate(batches):
@@ -296,13 +315,8 @@ def measure_engine_watch(micro_batches: int, gas: int):
                         engine.step()
                 loop_ns = time.perf_counter_ns() - start
                 watch.close()
-            finally:
-                for name, original in originals.items():
-                    setattr(EngineWatch, name, original)
             engine.destroy()
-            hooks_ns = sum(sum(taken) for taken in samples.values())
-            medians = {name: statistics.median(taken) / 1000 if taken else 0.0 for name, taken in samples.items()}
-            rows.append((shape, policy, medians, hooks_ns / micro_batches / 1000, 1 - hooks_ns / loop_ns))
+            rows.append((shape, policy, *watch_figures(samples, micro_batches, loop_ns)))
     return rows
 
 
@@ -331,11 +345,7 @@ def measure_sharded_watch(micro_batches: int, gas: int):
     batches = [{key: value.unsqueeze(0) for key, value in data[i].items()} for i in range(micro_batches)]
     rows = []
     for policy in ("warn", "raise", "sync"):
-        samples = {name: [] for name in SHARDED_HOOKS}
-        originals = {name: getattr(ShardedWatch, name) for name in SHARDED_HOOKS}
-        for name in SHARDED_HOOKS:  # on the class: the forward hook is registered as the watch starts
-            setattr(ShardedWatch, name, TimedCallback._timed(originals[name], samples[name]))
-        try:
+        with timed_on_the_class(ShardedWatch, SHARDED_HOOKS) as samples:
             model = tiny_model()
             for block in model.transformer.h:
                 fully_shard(block)
@@ -353,12 +363,7 @@ def measure_sharded_watch(micro_batches: int, gas: int):
                     optimizer.zero_grad()
             loop_ns = time.perf_counter_ns() - start
             watch.close()
-        finally:
-            for name, original in originals.items():
-                setattr(ShardedWatch, name, original)
-        hooks_ns = sum(sum(taken) for taken in samples.values())
-        medians = {name: statistics.median(taken) / 1000 if taken else 0.0 for name, taken in samples.items()}
-        rows.append((policy, medians, hooks_ns / micro_batches / 1000, 1 - hooks_ns / loop_ns))
+        rows.append((policy, *watch_figures(samples, micro_batches, loop_ns)))
     return rows
 
 
