@@ -74,6 +74,8 @@ class EngineFacts:
             release depend on (None, False, "fp32", 1 and the default accumulation where the engine does not say).
         deepspeed: a DeepSpeed engine makes the updates (False: the run's own optimizer,
             :mod:`stepsync.engine.optimizer`).
+        compares_ranks: every rank reaches the run's epoch ends and checkpoints together, so the ranks' copies of
+            the weights are compared there (a DeepSpeed engine's ranks; a loop a watch sees whole).
     """
 
     gradient_accumulation_steps: Optional[int]
@@ -90,6 +92,7 @@ class EngineFacts:
     data_parallel_size: int = 1
     accumulation: Accumulation = field(default_factory=Accumulation)
     deepspeed: bool = True
+    compares_ranks: bool = True
 
     def g_in_force(self, framework_g: int) -> int:
         """The micro-batches per update the engine applies: its own G, else the framework's (``framework_g``)."""

@@ -35,20 +35,22 @@ class OptimizerSteps:
         module: the model the framework trains, where the adapter gives it (the checks that read its output and
             each token's weight hook it); None elsewhere.
         device: where the model's parameters are (a collective across ranks runs there).
-        reads_weights: every rank calls the run's epoch ends and checkpoints together (a loop the watch sees
-            whole), so the weights are read there: whether they are finite (the optimizer applies every gradient),
-            and the ranks' copies compared.
+
+    ``reads_weights``: every rank calls the run's epoch ends and checkpoints together (a loop the watch sees whole),
+    so the weights are read there: whether they are finite (the optimizer applies every gradient), and the ranks'
+    copies compared (its facts say both).
     """
 
-    __slots__ = ("global_steps", "_handle", "module", "facts", "device", "_boundary", "reads_weights")
+    __slots__ = ("global_steps", "_handle", "module", "facts", "device", "_boundary")
 
     def __init__(self, optimizer: Any, start: int, module: Any = None,
                  boundary: Optional[Callable[[], bool]] = None, reads_weights: bool = False) -> None:
         self.global_steps = start
         self._handle = optimizer.register_step_post_hook(self._stepped)
-        self.module, self._boundary, self.reads_weights = module, boundary, reads_weights
+        self.module, self._boundary = module, boundary
         self.facts = EngineFacts(None, False, NOT_AN_ENGINE, counts_skips=False, deepspeed=False,
-                                 data_parallel_size=_ranks(), unchecked_gradients=UNCHECKED if reads_weights else "")
+                                 data_parallel_size=_ranks(), unchecked_gradients=UNCHECKED if reads_weights else "",
+                                 compares_ranks=reads_weights)
         parameter = next(iter(getattr(module, "parameters", lambda: ())()), None)
         self.device = getattr(parameter, "device", "cpu")
 

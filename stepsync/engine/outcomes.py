@@ -41,8 +41,7 @@ class Updates:
         self.weights: Optional[FiniteWeights] = FiniteWeights(engine) if facts.unchecked_gradients else None
         self.weights_each_update = self.weights is not None and self.weights.each_update
         # Several ranks each holding a whole copy of the weights: the copies are compared where every rank stops.
-        compares = facts.deepspeed or getattr(engine, "reads_weights", False)
-        fingerprint = WeightFingerprint(engine) if compares and facts.data_parallel_size > 1 else None
+        fingerprint = WeightFingerprint(engine) if facts.compares_ranks and facts.data_parallel_size > 1 else None
         self.fingerprint = fingerprint if fingerprint is not None and fingerprint.replicated else None
         self.ranks_agreed_at: Optional[int] = None
 
