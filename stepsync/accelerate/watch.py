@@ -30,7 +30,7 @@ from ..core.versions import EngineBoundary
 from ..engine.deepspeed import engine_facts, is_engine, zero_loss
 from ..engine.faults import guarded
 from ..engine.lifecycle import RunStart, close_run, say_the_clip
-from ..engine.loop_objects import length_of, sharding_dropped
+from ..engine.loop_objects import accelerators_sharding_dropped, distributed_type, length_of
 from ..engine.policies import loop_action_for
 from ..engine.run import Run
 from ..engine.watch import UserLoopWatch
@@ -49,10 +49,6 @@ OUTSIDE_EFFECT = {
 def find_engine(accelerator: Any) -> Any:
     """The DeepSpeed engine ``accelerator.prepare`` built, or None."""
     return getattr(getattr(accelerator, "deepspeed_engine_wrapped", None), "engine", None)
-
-
-def uses_deepspeed(accelerator: Any) -> bool:
-    return "DEEPSPEED" in str(getattr(accelerator, "distributed_type", ""))
 
 
 class LoopWatch(UserLoopWatch):
@@ -95,9 +91,9 @@ class LoopWatch(UserLoopWatch):
         if is_engine(accelerator):  # deepspeed.initialize's engine, driven by the loop itself
             raise StepSyncConfigError("this watch is for an accelerate Accelerator, and was given a DeepSpeed engine: "
                                       "call stepsync.watch(engine), which watches a loop that drives it itself")
-        if not uses_deepspeed(accelerator):
-            kind = str(getattr(accelerator, "distributed_type", "unknown")).split(".")[-1]
-            dropped = sharding_dropped(f"distributed_type {kind}") if kind != "FSDP" else ""
+        kind = distributed_type(accelerator)
+        if "DEEPSPEED" not in kind:
+            dropped = accelerators_sharding_dropped(accelerator)
             self._idle(
                 f"nothing to watch: the accelerator does not use DeepSpeed (distributed_type {kind}). " + (
                     f"{dropped}. " if dropped else "") +

@@ -28,6 +28,17 @@ def sharding_dropped(kind: str) -> str:
             "only, as measured on a CPU): every rank holds and trains a whole copy")
 
 
+def distributed_type(accelerator: Any) -> str:
+    """An accelerate ``Accelerator``'s ``distributed_type`` by its name (``"MULTI_CPU"``), or ``"unknown"``."""
+    return str(getattr(accelerator, "distributed_type", "unknown")).split(".")[-1]
+
+
+def accelerators_sharding_dropped(accelerator: Any) -> str:
+    """:func:`sharding_dropped` for an accelerator whose ``distributed_type`` is not FSDP's; "" where it is."""
+    kind = distributed_type(accelerator)
+    return "" if kind == "FSDP" else sharding_dropped(f"distributed_type {kind}")
+
+
 def bound_to(owner: Any, function: Callable[..., Any]) -> Any:
     """``function`` as a method of ``owner``, called with the arguments the method is called with."""
     def method(_owner: Any, *args: Any, **kwargs: Any) -> Any:

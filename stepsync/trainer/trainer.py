@@ -14,7 +14,7 @@ from ..core.frameworks import TRAINER
 from ..core.record import ResumeRecord, load_record, read_json, record_in_trainer_state, save_record
 from ..core.relayout import Layout
 from ..engine.deepspeed import is_engine
-from ..engine.loop_objects import sharding_dropped
+from ..engine.loop_objects import accelerators_sharding_dropped
 from ..engine.resume import record_of
 from ..engine.run import Run
 from ..engine.steering import Steering
@@ -157,10 +157,10 @@ def window_ends(trainer: Any) -> Optional[Callable[[], bool]]:
 
 def sharding_asked_and_dropped(trainer: Any, args: Any) -> str:
     """The Trainer was given ``fsdp`` and accelerate did not shard the model (a CPU: it wraps it in DDP); "" else."""
-    kind = str(getattr(getattr(trainer, "accelerator", None), "distributed_type", "")).split(".")[-1]
-    if not getattr(args, "fsdp", None) or kind in ("FSDP", ""):
+    accelerator = getattr(trainer, "accelerator", None)
+    if not getattr(args, "fsdp", None) or accelerator is None:
         return ""
-    return sharding_dropped(f"distributed_type {kind}")
+    return accelerators_sharding_dropped(accelerator)
 
 
 def uses_deepspeed(trainer: Any, args: Any) -> bool:
