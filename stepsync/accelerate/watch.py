@@ -33,7 +33,7 @@ from ..engine.lifecycle import RunStart, close_run, say_the_clip
 from ..engine.loop_objects import accelerators_sharding_dropped, distributed_type, length_of
 from ..engine.policies import loop_action_for
 from ..engine.run import Run
-from ..engine.watch import UserLoopWatch
+from ..engine.watch import UserLoopWatch, accumulation_given
 from .checkpoints import LoopCheckpoints, loop_layout
 
 OUTSIDE_ACCUMULATE = ("accelerator.backward() ran outside `with accelerator.accumulate(model):` with "
@@ -355,9 +355,7 @@ def watch(accelerator: Any, policy: Union[str, Policy] = Policy.WARN, dataloader
                         optimizer.step(); lr_scheduler.step(); optimizer.zero_grad()
         print(sync.report)
     """
-    given = gradient_accumulation_steps
-    if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < 1):
-        raise StepSyncConfigError(f"gradient_accumulation_steps={gradient_accumulation_steps!r}: pass the positive "
-                                  "int your code gave Accelerator(gradient_accumulation_steps=...), or leave it out")
-    return LoopWatch(accelerator, policy, dataloader, num_epochs, console, gradient_accumulation_steps,
-                     loss_normalisation)
+    given = None if gradient_accumulation_steps is None else accumulation_given(
+        gradient_accumulation_steps, "the positive int your code gave Accelerator(gradient_accumulation_steps=...), "
+        "or leave it out")
+    return LoopWatch(accelerator, policy, dataloader, num_epochs, console, given, loss_normalisation)

@@ -36,7 +36,7 @@ from ..engine.loop_objects import length_of
 from ..engine.policies import engine_loop_action_for
 from ..engine.resume import engines_schedule
 from ..engine.run import Run
-from ..engine.watch import NO_LENGTH, UserLoopWatch
+from ..engine.watch import NO_LENGTH, UserLoopWatch, accumulation_given
 from .checkpoints import EngineCheckpoints, checkpoint_folder
 
 UNSEEN_BACKWARD = ("engine.step() came with no engine.backward() before it: your loop calls backward another way "
@@ -70,9 +70,13 @@ class EngineWatch(UserLoopWatch):
     _checkpoints: EngineCheckpoints
 
     def __init__(self, engine: Any, policy: Union[str, Policy], dataloader: Any, num_epochs: Optional[float],
-                 console: Any, loss_normalisation: Union[str, Normalisation] = Normalisation.TOKEN_MEAN) -> None:
+                 console: Any, loss_normalisation: Union[str, Normalisation] = Normalisation.TOKEN_MEAN,
+                 backwards_per_step: Optional[int] = None) -> None:
         self._watch(policy, console, loss_normalisation)
         self.engine = engine
+        # the backward() calls per step() the user said the loop makes (one is the engine's own accumulation)
+        self._stated = backwards_per_step if backwards_per_step and backwards_per_step > 1 else None
+        self._said = backwards_per_step
         self._started: Optional[RunStart] = None  # what training started from, until the loop's first step()
         self._num_epochs = num_epochs
         self._checkpoints = EngineCheckpoints()
@@ -171,6 +175,8 @@ class EngineWatch(UserLoopWatch):
         self._since_loop_update += 1
         if self._per_micro_batch:
             self._ends = self._ends_window(run, run.position + 1)
+        if self._stated and not self._per_micro_batch:
+            self._held_to_stated(run, self._stated)
         if self._steers:  # the boundary is the one the policy sets
             run.before_micro_batch(self._ends)
             self._at_boundary = self._ends
@@ -180,6 +186,24 @@ class EngineWatch(UserLoopWatch):
             self._at_boundary, self._unread = False, self._unread + 1
         if self._at_boundary:
             self._marks = (self._marks[1], self._since_update)
+
+    def _held_to_stated(self, run: Run, stated: int) -> None:
+        """A loop that said its backward() calls per step(): the window ends at the stated one (where ``sync`` sets
+        the boundary before it, no closing backward needed); one beyond it is said once, and the statement dropped."""
+        if self._backwards <= stated:
+            self._ends = self._backwards == stated
+            return
+        self._stated, self._ends = None, False
+        effect = ""
+        if self._steers and self._closes_at_backward and self._replaces:
+            effect = (f": policy 'sync' had set the engine's boundary before the {stated}th, and DeepSpeed "
+                      f"{run.behaviour.stack.deepspeed} replaces what a boundary reduced at the next one, so that "
+                      "window's first micro-batches are lost (counted in the report)")
+        elif self._steers:
+            effect = f": policy 'sync' had set the engine's boundary before the {stated}th (nothing lost on this stage)"
+        run.voice.warn(f"your loop called backward() {self._backwards} times before step(), more than the "
+                       f"gradient_accumulation_steps={stated} it gave stepsync.watch(){effect}; from here each window "
+                       "is closed at its step(): pass the backward() calls your loop makes per step()")
 
     @guarded(steering=True)
     def _before_step(self, run: Run, backward: Any) -> None:
@@ -224,6 +248,16 @@ class EngineWatch(UserLoopWatch):
             run.remedy = "set gradient_accumulation_steps to 1 in the DeepSpeed config"
             effect = SEVERAL_BACKWARDS_EFFECT[run.action.sets_the_boundary()].format(g=g)
             run.voice.warn(SEVERAL_BACKWARDS.format(k=k, g=g, effect=effect))
+        if k == 1 and (self._said or 1) > 1:
+            self._stated = None
+            run.voice.warn(f"gradient_accumulation_steps={self._said} was given to stepsync.watch(), but your loop "
+                           f"steps after every backward() (DeepSpeed accumulates the config's G={g} itself): leave "
+                           "it out")
+        elif k > 1 and self._steers and self._closes_at_backward and self._said is None:
+            run.voice.note(f"policy 'sync' closes each window of your loop at its step() with one more backward() "
+                           f"(of a zero loss: it adds nothing); if your loop calls backward() {k} times before each "
+                           f"step(), pass gradient_accumulation_steps={k} to stepsync.watch() to have the boundary "
+                           f"set before the {k}th instead")
         if opened.plan is not None and not run.facts.managed_accumulation:
             run.voice.note("no forecast: DeepSpeed's managed_gradient_accumulation is false, so every step() is an "
                            "update, not the epoch's windows of G a forecast counts")
@@ -271,7 +305,8 @@ class EngineWatch(UserLoopWatch):
 
 def watch(engine: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any = None,
           num_epochs: Optional[float] = None, console: Any = None,
-          loss_normalisation: Union[str, Normalisation] = Normalisation.TOKEN_MEAN) -> EngineWatch:
+          loss_normalisation: Union[str, Normalisation] = Normalisation.TOKEN_MEAN,
+          gradient_accumulation_steps: Optional[int] = None) -> EngineWatch:
     """Watch a loop that drives DeepSpeed's engine itself; call it after ``deepspeed.initialize(...)``.
 
     Args:
@@ -286,6 +321,11 @@ def watch(engine: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any
         console: as for :class:`stepsync.StepSyncCallback`.
         loss_normalisation: the rule each window's loss is meant to follow (default ``"token_mean"``), as for
             :class:`stepsync.StepSyncCallback`.
+        gradient_accumulation_steps: for a loop that calls ``backward()`` K times before each ``step()`` (the
+            config's G=1): K. Under ``sync`` the engine's boundary is then set before each window's K-th
+            ``backward()`` (a shorter window, at an epoch's end, is closed at its ``step()``), which saves ZeRO 1
+            and 2 the closing ``backward()`` of a zero loss. Leave it out for a loop that steps after every
+            ``backward()``: the engine's G is its config's.
 
     Raises:
         StepSyncConfigError: (a ``ValueError``) an unknown or refused policy, or not an engine.
@@ -300,4 +340,6 @@ def watch(engine: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any
                     engine.step()
         print(sync.report)
     """
-    return EngineWatch(engine, policy, dataloader, num_epochs, console, loss_normalisation)
+    backwards = None if gradient_accumulation_steps is None else accumulation_given(
+        gradient_accumulation_steps, "the backward() calls your loop makes before each step(), or leave it out")
+    return EngineWatch(engine, policy, dataloader, num_epochs, console, loss_normalisation, backwards)

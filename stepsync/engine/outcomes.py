@@ -111,10 +111,11 @@ class Updates:
         summary counts the rest), and given to the policy before the update is made."""
         self.report.took_lost_gradients(lost)
         if run.observing and self.report.updates_losing == 1:
+            sync = "" if run.action.sets_the_boundary() else ", or use policy='sync'"
             run.observe(self.voice.warn, f"{lost}; call engine.set_gradient_accumulation_boundary(i == last) before "
                                          "each backward() (or set \"managed_gradient_accumulation\": false in the "
-                                         "DeepSpeed config, where your DeepSpeed has it), or use policy='sync'; later "
-                                         "updates that lose micro-batches are counted in the report")
+                                         f"DeepSpeed config, where your DeepSpeed has it){sync}; later updates that "
+                                         "lose micro-batches are counted in the report")
         run.action.on_lost_gradients(lost)
 
     def took_an_unsynced_update(self, run: Run, found: UnsyncedUpdate) -> None:

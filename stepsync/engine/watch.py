@@ -15,7 +15,7 @@ import os
 from typing import Any, Callable, ClassVar, Optional, TypeVar, Union
 
 from ..core.choices import Policy
-from ..core.errors import UnsupportedVersion
+from ..core.errors import StepSyncConfigError, UnsupportedVersion
 from ..core.frameworks import Framework
 from ..core.plan import RunPlan
 from ..core.record import ResumeRecord
@@ -33,6 +33,14 @@ from .run import Run
 Watch = TypeVar("Watch", bound="UserLoopWatch")
 NO_LENGTH = ("no dataloader length: pass dataloader=... to stepsync.watch() to tell its epochs apart and for a "
              "forecast")
+
+
+def accumulation_given(given: Any, meaning: str) -> int:
+    """The ``gradient_accumulation_steps`` a user gave ``stepsync.watch()``, or an error that says what to pass:
+    ``meaning``."""
+    if isinstance(given, bool) or not isinstance(given, int) or given < 1:
+        raise StepSyncConfigError(f"gradient_accumulation_steps={given!r}: pass {meaning}")
+    return given
 
 
 class ResumingSaves(LoopSaves):

@@ -34,7 +34,7 @@ from ..engine.loop_objects import length_of, sharding_dropped
 from ..engine.optimizer import count_optimizer_steps, innermost_optimizer
 from ..engine.policies import WatchOnly, action_for
 from ..engine.run import Run
-from ..engine.watch import NO_LENGTH, UserLoopWatch
+from ..engine.watch import NO_LENGTH, UserLoopWatch, accumulation_given
 from .checkpoints import DistributedCheckpoints, checkpoint_folder
 from .precision import precision_in_force
 
@@ -392,10 +392,8 @@ def watch(model: Any, optimizer: Any = None, policy: Union[str, Policy] = Policy
     if optimizer is None:
         raise StepSyncConfigError("stepsync.watch(model) of an FSDP2 or DDP model needs the optimizer your loop steps: "
                                   "stepsync.watch(model, optimizer=optimizer, gradient_accumulation_steps=G, ...)")
-    g = gradient_accumulation_steps
-    if isinstance(g, bool) or not isinstance(g, int) or g < 1:
-        raise StepSyncConfigError(f"gradient_accumulation_steps={g!r}: pass the micro-batches per optimizer.step() "
-                                  "your loop means (stepsync.watch(model, ..., gradient_accumulation_steps=G))")
+    g = accumulation_given(gradient_accumulation_steps, "the micro-batches per optimizer.step() your loop means "
+                           "(stepsync.watch(model, ..., gradient_accumulation_steps=G))")
     return watch_kind(model)(model, optimizer, policy, dataloader, num_epochs, g, console, loss_normalisation)
 
 

@@ -32,7 +32,8 @@ def watch(loop: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any =
         num_epochs: the epochs the loop runs, for the forecast.
         console: as for :class:`stepsync.StepSyncCallback`.
         gradient_accumulation_steps: an accelerate loop's: the G your code gave ``Accelerator(...)``; an FSDP2 or DDP
-            loop's: the micro-batches per ``optimizer.step()`` it means.
+            loop's: the micro-batches per ``optimizer.step()`` it means; a loop that calls an engine's
+            ``backward()`` K times before each ``step()``: K.
         loss_normalisation: how each window's loss is meant to weigh its trained tokens: ``"token_mean"``
             (default), ``"micro_batch_mean"`` or ``"sequence_mean"`` where that is deliberate; as for
             :class:`stepsync.StepSyncCallback`.
@@ -52,7 +53,4 @@ def watch(loop: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any =
     if not is_engine(loop):
         return watch_accelerator(loop, policy, dataloader, num_epochs, console, gradient_accumulation_steps,
                                  loss_normalisation)
-    if gradient_accumulation_steps is not None:
-        raise StepSyncConfigError("gradient_accumulation_steps is for an accelerate loop: a DeepSpeed engine's G is "
-                                  "its config's; leave it out")
-    return watch_engine(loop, policy, dataloader, num_epochs, console, loss_normalisation)
+    return watch_engine(loop, policy, dataloader, num_epochs, console, loss_normalisation, gradient_accumulation_steps)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence, Union
 
 from stepsync.tools.tiny_run import cpu_distributed_env
 
@@ -122,16 +122,18 @@ class LearnerLoopRun:
     shares: List[float] = field(default_factory=list)
     watch: Any = None
     error: Optional[BaseException] = None
+    gradient_passes: int = 0  # backward passes that reached the weight (a tensor hook of the loop's, apart from stepsync)
 
 
-def run_learner_loop(accumulation_steps: int, steps: int, stage: int = 0, gas: int = 1, bf16: bool = False,
-                     policy: Optional[str] = None, set_boundary: bool = False, managed: bool = True,
-                     torch_backward: bool = False) -> LearnerLoopRun:
+def run_learner_loop(accumulation_steps: Union[int, Sequence[int]], steps: int, stage: int = 0, gas: int = 1,
+                     bf16: bool = False, policy: Optional[str] = None, set_boundary: bool = False,
+                     managed: bool = True, torch_backward: bool = False, stated: Optional[int] = None) -> LearnerLoopRun:
     """The learner loop above, ``steps`` times ``accumulation_steps`` micro-batches of distinct samples (this rank's
-    share of them where there are several ranks). ``gas``: the DeepSpeed config's G; ``set_boundary``: the loop sets
-    the engine's boundary itself before each backward (the fix); ``managed=False``: the config's
-    ``"managed_gradient_accumulation": false``; ``torch_backward``: ``loss.backward()`` in place of
-    ``engine.backward(loss)`` (which DeepSpeed accepts on ZeRO 1-3)."""
+    share of them where there are several ranks), or the windows ``accumulation_steps`` lists (``steps`` unread).
+    ``gas``: the DeepSpeed config's G; ``set_boundary``: the loop sets the engine's boundary itself before each
+    backward (the fix); ``managed=False``: the config's ``"managed_gradient_accumulation": false``;
+    ``torch_backward``: ``loss.backward()`` in place of ``engine.backward(loss)`` (which DeepSpeed accepts on ZeRO
+    1-3); ``stated``: the watch is given ``gradient_accumulation_steps=stated``."""
     cpu_distributed_env()
     import deepspeed
     import torch
@@ -141,7 +143,8 @@ def run_learner_loop(accumulation_steps: int, steps: int, stage: int = 0, gas: i
     torch.manual_seed(0)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    samples = accumulation_steps * steps * world
+    windows = [accumulation_steps] * steps if isinstance(accumulation_steps, int) else list(accumulation_steps)
+    samples = sum(windows) * world
     model = torch.nn.Linear(samples, 1, bias=False)
     torch.nn.init.zeros_(model.weight)
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
@@ -150,28 +153,33 @@ def run_learner_loop(accumulation_steps: int, steps: int, stage: int = 0, gas: i
               **({} if managed else {"managed_gradient_accumulation": False})}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
                                       config=config)
-    run = LearnerLoopRun(watch=_watched(engine, policy))
+    run = LearnerLoopRun(watch=_watched(engine, policy, **({} if stated is None else
+                                                           {"gradient_accumulation_steps": stated})))
     rows = torch.eye(samples, dtype=torch.bfloat16 if bf16 else torch.float32)
     before = _weights(engine)
+    passes = engine.module.weight.register_hook(lambda grad: setattr(run, "gradient_passes", run.gradient_passes + 1))
     local_step = 0
+    scales = []  # DeepSpeed averages each update over the ranks: a sample applied whole moves by 1 / (K * ranks * G)
     try:
-        for _ in range(steps):
-            for _ in range(accumulation_steps):
+        for window in windows:
+            for i in range(window):
                 sample = local_step * world + rank
                 if set_boundary:
-                    engine.set_gradient_accumulation_boundary((local_step + 1) % accumulation_steps == 0)
-                loss = engine(rows[sample:sample + 1]).sum() / accumulation_steps
+                    engine.set_gradient_accumulation_boundary(i + 1 == window)
+                loss = engine(rows[sample:sample + 1]).sum() / window
                 loss.backward() if torch_backward else engine.backward(loss)
-                if (local_step + 1) % accumulation_steps == 0:
+                if i + 1 == window:
                     engine.step()
                     run.engine_steps.append(engine.global_steps)
                 local_step += 1
+            scales += [window * world * gas] * window * world
     except StepSyncError as exc:
         run.error = exc
+    passes.remove()
     if run.watch is not None:
         run.watch.close()
-    # DeepSpeed averages each update over the ranks: a sample applied whole moves its weight by 1 / (K * ranks * G).
-    scale = accumulation_steps * world * gas
-    run.shares = [round(-(after - first).item() * scale, 3) for after, first in zip(_weights(engine), before)]
+    scales += [scales[-1] if scales else windows[0] * world * gas] * (samples - len(scales))
+    run.shares = [round(-(after - first).item() * scale, 3)
+                  for after, first, scale in zip(_weights(engine), before, scales)]
     engine.destroy()
     return run

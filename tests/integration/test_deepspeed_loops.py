@@ -111,6 +111,56 @@ def test_sync_makes_each_step_one_update_of_every_micro_batch(stage, bf16):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
+def test_sync_given_the_loops_k_sets_the_boundary_before_its_kth_backward(stage):
+    """gradient_accumulation_steps=4 given to the watch, windows of 4, 4 and 3: the boundary set before each window's
+    4th backward(), the shorter last window closed at its step(). Every micro-batch applied whole, and the backward
+    passes that reach the weight (a tensor hook, apart from stepsync) are the loop's 11 and one closing pass, where
+    the watch told nothing closes each window (14), and says how to save it."""
+    from harness.raw_loops import run_learner_loop
+
+    told, untold = (run_learner_loop([4, 4, 3], 0, stage, policy="sync", stated=k) for k in (4, None))
+    for run in (told, untold):
+        assert run.error is None and run.shares == [1.0] * 11 and run.engine_steps == [1, 2, 3]
+        report = run.watch.report
+        assert (report.trainer_steps, report.engine_steps, report.lost_gradients, report.events) == (3, 3, [], [])
+    assert (told.gradient_passes, untold.gradient_passes) == (12, 14)
+    assert not [note for note in told.watch.report.notes if "gradient_accumulation_steps" in note]
+    assert [note for note in untold.watch.report.notes if "gradient_accumulation_steps" in note] == [
+        "policy 'sync' closes each window of your loop at its step() with one more backward() (of a zero loss: it "
+        "adds nothing); if your loop calls backward() 4 times before each step(), pass gradient_accumulation_steps=4 "
+        "to stepsync.watch() to have the boundary set before the 4th instead"]
+
+
+@pytest.mark.parametrize("policy", ["warn", "sync"])
+def test_a_window_longer_than_the_k_given_is_said_and_its_loss_counted_as_the_weights_show(policy):
+    """ZeRO-2, gradient_accumulation_steps=4 given, windows of 4 then 6. Under sync the boundary was set before the
+    second window's 4th backward(); at its 5th the watch says so (and, where the release replaces a boundary's
+    gradients at the next one, that the window's first micro-batches are lost) and closes later windows at their
+    step(). What the report counts lost is what the weights show; warn changes nothing (the weights are the
+    unwatched loop's)."""
+    from harness.raw_loops import run_learner_loop
+    from stepsync.core.versions import installed_version
+    from stepsync.core.weights import SeveralBackwards, several_backwards
+
+    release = several_backwards(installed_version("deepspeed"))
+    if release is SeveralBackwards.FAILS:
+        pytest.skip("ZeRO-2 of this release fails at a second backward(): sync refuses such loops")
+    run = run_learner_loop([4, 6], 0, 2, policy=policy, stated=4)
+    report = run.watch.report
+    if policy == "warn":
+        assert run.shares == run_learner_loop([4, 6], 0, 2).shares
+    lost = [i for i, share in enumerate(run.shares) if share == 0]
+    assert report.lost_micro_batches == len(lost)
+    said = [note for note in report.notes if "gradient_accumulation_steps=4 it gave" in note]
+    assert len(said) == 1 and said[0].startswith("your loop called backward() 5 times before step(), more than")
+    replaced = policy == "sync" and release is SeveralBackwards.REPLACES
+    assert ("so that window's first micro-batches are lost" in said[0]) is replaced
+    if policy == "sync":
+        assert lost == ([4, 5, 6, 7] if replaced else []) and run.engine_steps == [1, 2]
+        assert not any("or use policy='sync'" in note for note in report.notes)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
 def test_raise_stops_before_an_update_that_would_lose_micro_batches(stage):
     from harness.raw_loops import run_learner_loop
     from stepsync.core.errors import GradientsLostError
@@ -162,6 +212,9 @@ def test_watch_given_an_engine_refuses_what_it_cannot_do():
     for policy, fix in (("realign", "adopt watch.report.engine_steps"), ("drop_last", "partial window in your loop")):
         with pytest.raises(StepSyncConfigError, match=fix):
             run_learner_loop(4, 1, 0, policy=policy)
+    with pytest.raises(StepSyncConfigError, match=r"^gradient_accumulation_steps=0: pass the backward\(\) calls your "
+                                                  r"loop makes before each step\(\), or leave it out$"):
+        run_learner_loop(4, 1, 0, policy="sync", stated=0)
 
 
 def test_two_ranks_lose_the_same_micro_batches_and_sync_and_raise_act_on_both(tmp_path):
