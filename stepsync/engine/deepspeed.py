@@ -289,8 +289,11 @@ class BoundaryOverride:
 
     def set(self, is_boundary: bool) -> None:
         # DeepSpeed keeps the value until it is set again (its own overrides restore it): skip repeats.
-        if self._active and is_boundary is self._last:
-            return
+        if self._active:
+            if is_boundary is self._last:
+                return
+        elif is_boundary == self.engine.is_gradient_accumulation_boundary():
+            return  # the engine's own counter decides the same: nothing to override until it would not
         self.engine.set_gradient_accumulation_boundary(is_boundary)
         self._active, self._last = True, is_boundary
 
