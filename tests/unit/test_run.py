@@ -92,10 +92,12 @@ class FakeEngine:
     def set_gradient_accumulation_boundary(self, value):
         self._is_gradient_accumulation_boundary = value
 
-    def step(self):  # what accelerate < 1.8 calls after every backward
+    def is_gradient_accumulation_boundary(self):  # the value set, else the micro-step counter's
         boundary = self._is_gradient_accumulation_boundary
-        if boundary is None:
-            boundary = (self.micro_steps + 1) % self._g == 0
+        return (self.micro_steps + 1) % self._g == 0 if boundary is None else boundary
+
+    def step(self):  # what accelerate < 1.8 calls after every backward
+        boundary = self.is_gradient_accumulation_boundary()
         self.global_steps += boundary
         skipped = boundary and self.global_steps in self._skips
         self.skipped_steps += skipped
