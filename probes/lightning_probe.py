@@ -1,6 +1,9 @@
-"""What a Lightning release does with DeepSpeed and accumulate_grad_batches, measured on CPU.
+"""What a Lightning release does with DeepSpeed and accumulate_grad_batches, measured on CPU, and without it.
 
     python probes/lightning_probe.py [N,G,E[,STAGE] ...]     (prints one JSON object per case)
+
+STAGE ``none``: no DeepSpeed (Lightning's own accumulation, one CPU device); the engine's column is then the torch
+optimizer's steps, counted by a step post-hook.
 
 A linear model whose loss is ``w . x`` with one-hot ``x`` (one dimension per sample) and plain SGD (lr 1) makes
 each update's weights exact: the update of dimension i is minus the weight sample i had in it. Per batch it
@@ -16,13 +19,15 @@ import warnings
 
 def parameters(module):
     """The model's weights, whole (ZeRO-3 keeps a shard on each rank: gather it)."""
+    if not hasattr(module.w, "ds_id"):  # no DeepSpeed
+        return module.w.detach().clone()
     import deepspeed
 
     with deepspeed.zero.GatheredParameters([module.w]):
         return module.w.detach().clone()
 
 
-def run_case(n: int, g: int, epochs: int, stage: int) -> dict:
+def run_case(n: int, g: int, epochs: int, stage) -> dict:
     import lightning.pytorch as pl
     import torch
 
@@ -31,7 +36,7 @@ def run_case(n: int, g: int, epochs: int, stage: int) -> dict:
             self.rows, self.updates, self.last = [], [], None
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            engine = trainer.strategy.model
+            engine = trainer.strategy.model if stage is not None else self
             weights = parameters(module)
             if self.last is not None and not torch.equal(weights, self.last):
                 moved = (self.last - weights)
@@ -43,14 +48,18 @@ def run_case(n: int, g: int, epochs: int, stage: int) -> dict:
 
         def on_train_start(self, trainer, module):
             self.last = parameters(module)
+            self.global_steps = 0
+            if stage is None:  # the optimizer's own steps
+                trainer.optimizers[0].register_step_post_hook(lambda *_: setattr(self, "global_steps",
+                                                                                 self.global_steps + 1))
 
     from stepsync.tools.tiny_lightning import fit_tiny
 
     record = Record()
-    trainer, _, error = fit_tiny(n, g, epochs, stage, [record])
+    trainer, _, error = fit_tiny(n, g, epochs, stage or 0, [record], deepspeed=stage is not None)
     if error is not None:
         raise error
-    engine = trainer.strategy.model
+    engine = trainer.strategy.model if stage is not None else record
     return {"n": n, "g": g, "epochs": epochs, "stage": stage, "lightning_steps": trainer.global_step,
             "engine_steps": engine.global_steps, "batches": record.rows, "updates": record.updates}
 
@@ -58,7 +67,13 @@ def run_case(n: int, g: int, epochs: int, stage: int) -> dict:
 def versions() -> dict:
     from importlib.metadata import version
 
-    return {name: version(name) for name in ("lightning", "deepspeed", "torch")}
+    found = {}
+    for name in ("lightning", "deepspeed", "torch"):
+        try:
+            found[name] = version(name)
+        except Exception:  # a stack without DeepSpeed
+            found[name] = None
+    return found
 
 
 def main(argv) -> int:
@@ -69,8 +84,9 @@ def main(argv) -> int:
     warnings.filterwarnings("ignore")
     cases = argv or ["3,2,2", "5,2,3", "7,3,2", "2,4,2"]
     for case in cases:
-        parts = [int(p) for p in case.split(",")]
-        n, g, epochs, stage = (parts + [0])[:4]
+        parts = case.split(",")
+        n, g, epochs = (int(p) for p in parts[:3])
+        stage = None if parts[3:] == ["none"] else int((parts[3:] or ["0"])[0])
         print(json.dumps({**run_case(n, g, epochs, stage), "versions": versions()}), flush=True)
     return 0
 

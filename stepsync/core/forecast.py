@@ -62,7 +62,7 @@ def _simulate(plan: RunPlan, behaviour: StackBehaviour, policy: Policy, planned:
     start_epoch, start_position = resume_position(plan, behaviour)
     length = trainer_epoch_length(plan, behaviour)
     # where the framework (or stepsync for it) ends each epoch after its last whole window
-    drops = policy in behaviour.framework.ends_epochs_under
+    drops = behaviour.ends_epochs_under(policy)
     last_position = min(length, (n // g) * g) if drops else length
     wipes = behaviour.zero_grad_at_its_windows and plan.zero_stage in (0, 1, 3) and not engine_follows
 

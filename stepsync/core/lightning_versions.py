@@ -7,7 +7,7 @@ Pure Python: reads installed versions from package metadata and never imports th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from .errors import UnsupportedVersion
@@ -24,6 +24,7 @@ from .versions import (
     assumed_release,
     installed_version,
     parse_version,
+    without_an_engine,
 )
 
 OLDEST_LIGHTNING = "2.0.0"
@@ -45,6 +46,17 @@ LIGHTNING_ROWS = (
                "the strategy sets engine.lr_scheduler = None and Lightning steps the scheduler on its own count"),
 )
 
+# Lightning without DeepSpeed (its own accumulation, one CPU device): probed on 2.0.9 and 2.6.6
+# (probes/lightning_alone.json), each the same.
+LIGHTNING_ALONE_ROWS = (
+    ReleaseRow("lightning", "2.0.0", None, TrainerRule.EPOCH_END,
+               "without a strategy that handles accumulation, _should_accumulate() is False at every G-th batch of "
+               "an epoch and at its last (_num_ready_batches_reached): the optimizer steps there, a partial window "
+               "included, and global_step counts those steps"),
+    ReleaseRow("lightning", "2.0.0", None, "loss_divided_once",
+               "its closure divides the loss by accumulate_grad_batches, a partial window's too: each micro-batch "
+               "weighs 1/G"),
+)
 
 # What ZeRO 1 and 2 do in a Fabric loop (Fabric's optimizer.step() steps DeepSpeed's optimizer directly), by the
 # DeepSpeed release: measured with lightning 2.6.6 on DeepSpeed 0.14.5, 0.16.9, 0.17.0, 0.17.6, 0.18.0, 0.18.4,
@@ -102,6 +114,14 @@ class LightningStack:
 def _row_of(rows: tuple, kind: type) -> ReleaseRow:
     """The row whose behaviour is a member of ``kind`` (read by what it says, never by its place)."""
     return next(row for row in rows if isinstance(row.behaviour, kind))
+
+
+def lightning_alone(behaviour: StackBehaviour) -> StackBehaviour:
+    """``behaviour`` (the installed Lightning's) for a run without DeepSpeed: Lightning steps its optimizer at each
+    epoch's windows of G, the partial last one included, and counts those steps (:data:`LIGHTNING_ALONE_ROWS`)."""
+    counting = _row_of(LIGHTNING_ALONE_ROWS, TrainerRule)
+    return replace(without_an_engine(behaviour), trainer_rule=TrainerRule(counting.behaviour),
+                   planned_steps=PlannedSteps.CEIL, loss_divisions=1, zero_grad_at_its_windows=False)
 
 
 def lightning_behaviour_of(stack: LightningStack) -> StackBehaviour:

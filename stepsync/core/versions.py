@@ -21,6 +21,7 @@ from typing import Any, Optional, Tuple
 
 from packaging.version import InvalidVersion, Version
 
+from .choices import Policy
 from .errors import StepSyncConfigError, UnsupportedVersion
 from .frameworks import TRAINER, EngineBoundary, Framework, PlannedSteps, TrainerRule
 
@@ -212,6 +213,13 @@ class StackBehaviour:
     framework: Framework = TRAINER
     loss_divisions: int = 1
     zero_grad_at_its_windows: bool = False
+
+    def ends_epochs_under(self, policy: Policy) -> bool:
+        """Whether ``policy`` ends this run's epochs after their whole windows: where its framework does so for it,
+        and for a policy that steers the boundary only where there is one to steer (without DeepSpeed there is
+        none, and the framework's epochs run whole)."""
+        return policy in self.framework.ends_epochs_under and (self.can_override_boundary
+                                                               or not policy.steers_the_boundary)
 
     @property
     def remedy(self) -> str:

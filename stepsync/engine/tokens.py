@@ -124,6 +124,16 @@ class TokenWeights:
             self._hook_logits()
         self.logits.append(output)
 
+    def forward_returned(self, output: Any) -> None:
+        """The framework's training forward returned ``output``, where no forward hook of the engine can say so
+        (Lightning without DeepSpeed calls its module's training_step itself)."""
+        self._after_engine(None, (), output)
+
+    @property
+    def reading(self) -> bool:
+        """Whether it still reads (it stops once a window names the rule, or it cannot)."""
+        return self.handle is not None
+
     def _after_engine(self, module: Any, inputs: Any, output: Any) -> None:
         if self.logits:
             self.unseen = 0

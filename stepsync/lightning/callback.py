@@ -10,12 +10,15 @@ from lightning.pytorch import Callback
 from ..core.choices import Policy
 from ..core.errors import StepSyncConfigError
 from ..core.frameworks import LIGHTNING
+from ..core.lightning_versions import lightning_alone
 from ..core.plan import RunPlan
 from ..core.record import ResumeRecord
 from ..core.relayout import position, replayed_epoch_shift
 from ..core.tokens import Normalisation
+from ..core.versions import StackBehaviour
 from ..engine.faults import guarded
 from ..engine.lifecycle import RunStart, close_run
+from ..engine.optimizer import count_optimizer_steps
 from ..engine.policies import WatchOnly, action_for, last_whole_window
 from ..engine.resume import record_of
 from ..engine.run import Run
@@ -70,6 +73,8 @@ class StepSyncCallback(Callback, FrameworkWatch):
         self._last_count = 0
         self._start: Optional[tuple] = None  # what the run is built from at the first batch
         self._epoch_open = False
+        # without DeepSpeed no engine's forward hook says that the training forward returned: this callback does
+        self._tells_forwards = False
 
     # ----------------------------------------------------------------- state kept in Lightning's checkpoints
 
@@ -87,18 +92,27 @@ class StepSyncCallback(Callback, FrameworkWatch):
         self._run, self._start, self._trainer = None, None, trainer
         self._idle()
         engine = lightning_facts.deepspeed_engine(trainer)
+        counter = None  # without DeepSpeed (Lightning's own accumulation) the updates are its optimizer's steps
         if engine is None:
-            self._idle("nothing to watch: the Lightning Trainer does not use DeepSpeed (strategy='deepspeed_stage_N')",
-                       logging.WARNING, trainer.is_global_zero)
-            return
+            counter = engine = count_optimizer_steps(next(iter(trainer.optimizers), None), trainer.global_step,
+                                                     pl_module, lightning_facts.window_ends(trainer))
+            if counter is None:
+                self._idle("nothing to watch: the Lightning Trainer has neither DeepSpeed nor a torch optimizer whose "
+                           "steps stepsync can count", logging.WARNING, trainer.is_global_zero)
+                return
         behaviour = self._installed(trainer.is_global_zero)
         if behaviour is None:
+            if counter is not None:
+                counter.stop_counting()
             return
+        alone = self._tells_forwards = counter is not None
+        if alone:
+            behaviour = lightning_alone(behaviour)
         n, g = lightning_facts.batches_per_epoch(trainer), int(trainer.accumulate_grad_batches)
-        if self.policy.steers_the_boundary and n is None:
+        if self.policy.steers_the_boundary and n is None and not alone:
             raise StepSyncConfigError("policy 'sync' needs the train dataloader's length to know where Lightning "
                                       "counts its updates: give the dataloader a length, or use policy='warn'")
-        self._batches = self._whole_windows(n, g)
+        self._batches = self._whole_windows(n, g, behaviour)
         if self._dropped:
             lightning_facts.end_epochs_after(trainer, self._batches)
         # The run starts at the first batch: only then is it sure where a resumed fit stands in its epoch.
@@ -143,9 +157,10 @@ class StepSyncCallback(Callback, FrameworkWatch):
         if self.policy.steers_the_boundary and run.facts.can_override_boundary:
             self._train_batch_size = lightning_facts.scale_the_loss_once(run.engine)
 
-    def _whole_windows(self, n: Optional[int], g: int) -> int:
-        """Micro-batches per epoch this policy trains: the whole windows under sync and drop_last, else 0 (all)."""
-        if n is None or self.policy not in LIGHTNING.ends_epochs_under:
+    def _whole_windows(self, n: Optional[int], g: int, behaviour: StackBehaviour) -> int:
+        """Micro-batches per epoch this policy trains: the whole windows where it ends epochs early (sync with
+        DeepSpeed, drop_last), else 0 (all)."""
+        if n is None or not behaviour.ends_epochs_under(self.policy):
             return 0
         whole = last_whole_window(self.policy, n, g, LIGHTNING.g_setting)
         self._dropped = n - whole
@@ -156,6 +171,18 @@ class StepSyncCallback(Callback, FrameworkWatch):
         if self._dropped:  # a dataloader reloaded for this epoch reset Lightning's epoch length
             lightning_facts.end_epochs_after(trainer, self._batches)
         self._epoch_open = False
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self._tells_forwards:
+            self._forward_returned(loss)
+
+    @guarded(steering=False)
+    def _forward_returned(self, run: Run, loss) -> None:
+        tokens = run.token_weights
+        if tokens is not None and tokens.reading:
+            tokens.forward_returned(loss)
+        else:
+            self._tells_forwards = False  # nothing reads it now: the hook costs one test from here
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._batch_ends(trainer, pl_module)

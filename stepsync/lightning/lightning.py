@@ -4,7 +4,7 @@ imports Lightning at load time."""
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..core.frameworks import LIGHTNING
 from ..core.relayout import Layout
@@ -29,6 +29,15 @@ def fabric_engine(fabric: Any, model: Any) -> Optional[Any]:
     """The DeepSpeed engine behind a model ``fabric.setup`` returned (its ``_forward_module``), or None."""
     engine = getattr(model, "_forward_module", None)
     return engine if uses_deepspeed(getattr(fabric, "strategy", None)) and is_engine(engine) else None
+
+
+def window_ends(trainer: Any) -> Optional[Callable[[], bool]]:
+    """Whether Lightning steps its optimizer after the running micro-batch, read at its backward: its epoch loop's
+    own test (``_should_accumulate``, false at every G-th batch of an epoch and at its last); None where the loop has
+    none."""
+    should_accumulate = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "_should_accumulate",
+                                None)
+    return None if not callable(should_accumulate) else lambda: not should_accumulate()
 
 
 def zero_stage(strategy: Any) -> Optional[int]:

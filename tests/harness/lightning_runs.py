@@ -44,6 +44,8 @@ class LightningRun:
 
 
 def parameters(module):
+    if not hasattr(module.w, "ds_id"):  # no DeepSpeed
+        return module.w.detach().clone()
     import deepspeed
 
     with deepspeed.zero.GatheredParameters([module.w]):  # ZeRO-3 keeps a shard per rank
@@ -62,9 +64,13 @@ def run_lightning(samples: int, gas: int, epochs: int = 2, stage: int = 0, callb
 
     class Recorder(pl.Callback):
         last = None
+        optimizer_steps = 0  # without DeepSpeed, the updates: the torch optimizer's steps, from its own hook
 
         def on_train_start(self, trainer, module):
             self.last = parameters(module)
+            if not deepspeed:
+                trainer.optimizers[0].register_step_post_hook(lambda *_: setattr(self, "optimizer_steps",
+                                                                                 self.optimizer_steps + 1))
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             weights = parameters(module)
@@ -73,7 +79,7 @@ def run_lightning(samples: int, gas: int, epochs: int = 2, stage: int = 0, callb
                 recording.updates.append({i: round(float(v), 6) for i, v in enumerate(moved) if abs(float(v)) > 1e-9})
             self.last = weights
             configs = trainer.lr_scheduler_configs
-            engine_steps = getattr(trainer.strategy.model, "global_steps", None)
+            engine_steps = getattr(trainer.strategy.model, "global_steps", None) if deepspeed else self.optimizer_steps
             recording.batches.append((trainer.current_epoch, batch_idx, int(batch.argmax()), trainer.global_step,
                                       engine_steps, configs[0].scheduler.last_epoch if configs else None))
 

@@ -405,9 +405,10 @@ def run_engine_tokens(counts: Sequence[int], gas: int, loss: str = "micro_batch_
 
 
 def run_lightning_tokens(counts: Sequence[int], gas: int, loss: str = "micro_batch_mean",
-                         policy: Optional[str] = "warn", stage: int = 0, declared: str = "token_mean") -> TokenRun:
-    """Lightning's Trainer with DeepSpeed on the plain tiny LM, one window (the module's loss as
-    :func:`loop_loss` computes it), SGD at lr 1."""
+                         policy: Optional[str] = "warn", stage: int = 0, declared: str = "token_mean",
+                         deepspeed: bool = True) -> TokenRun:
+    """Lightning's Trainer with DeepSpeed (``deepspeed=False``: its own accumulation, one CPU device) on the plain
+    tiny LM, one window (the module's loss as :func:`loop_loss` computes it), SGD at lr 1."""
     cpu_distributed_env()
     import lightning.pytorch as pl
     import torch
@@ -433,13 +434,14 @@ def run_lightning_tokens(counts: Sequence[int], gas: int, loss: str = "micro_bat
 
     class FirstUpdate(pl.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            if trainer.strategy.model.global_steps == 1 and not result.after:
+            if trainer.global_step == 1 and not result.after:  # Lightning's count: one per optimizer step here
                 result.after = [p.detach().float().clone() for p in net.parameters()]
 
     callback = StepSyncCallback(policy, console=False, loss_normalisation=declared) if policy else None
     trainer = pl.Trainer(accelerator="cpu", max_epochs=1, accumulate_grad_batches=gas, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         use_distributed_sampler=False, strategy=cpu_deepspeed_strategy(stage),
+                         use_distributed_sampler=False, devices=1,
+                         **({"strategy": cpu_deepspeed_strategy(stage)} if deepspeed else {}),
                          callbacks=[FirstUpdate()] + ([callback] if callback else []))
     try:
         trainer.fit(Module(), torch.utils.data.DataLoader(rows, batch_size=1, collate_fn=lambda items: items[0]))
@@ -447,7 +449,7 @@ def run_lightning_tokens(counts: Sequence[int], gas: int, loss: str = "micro_bat
         result.error = exc
     if not result.after:
         result.after = [p.detach().float().clone() for p in net.parameters()]
-    result.engine_steps = getattr(trainer.strategy.model, "global_steps", 0)
+    result.engine_steps = getattr(trainer.strategy.model, "global_steps", trainer.global_step)
     result.report = callback.report if callback else None
     return result
 

@@ -91,6 +91,31 @@ def test_sync_trains_the_parameters_of_the_same_run_without_deepspeed(stage):
     assert (parameters(unsynced.module) - plain.module.w.detach()).abs().max().item() > 1e-2
 
 
+@pytest.mark.parametrize("policy", ["warn", "raise", "sync", "drop_last"])
+def test_without_deepspeed_the_counts_are_held_against_the_optimizers_steps(policy):
+    """Lightning's own accumulation (probes/lightning_alone.json): 7 micro-batches an epoch, G=3, 2 epochs. The
+    optimizer steps after micro-batches 3, 6 and 7 of each epoch (the partial window's micro-batch at 1/G, as the
+    weights show) and Lightning counts each step: the report's counts and its forecast's epoch ends are the
+    recorder's. sync has nothing to steer (said) and trains what warn trains; drop_last ends each epoch after 6."""
+    n, g, epochs = 7, 3, 2
+    result = run_lightning(n, g, epochs, callback=StepSyncCallback(policy, console=False), deepspeed=False)
+    report, recorded = result.callback.report, result.recording
+    assert result.error is None and report.active and report.updater == "optimizer"
+    drops = policy == "drop_last"
+    assert recorded.epoch_ends == ([(2, 2), (4, 4)] if drops else [(3, 3), (6, 6)])
+    assert [(row.trainer_steps, row.engine_steps) for row in report.forecast.epochs] == recorded.epoch_ends
+    assert [(row.trainer_steps, row.engine_steps) for row in report.epochs] == recorded.epoch_ends
+    assert (report.trainer_steps, report.engine_steps, report.events) == (*recorded.epoch_ends[-1], [])
+    assert report.forecast_mismatches == [] and report.forecast.micro_batch_weight == 1 / g
+    third = round(1 / g, 6)
+    windows = [{0: third, 1: third, 2: third}, {3: third, 4: third, 5: third}] + ([] if drops else [{6: third}])
+    assert recorded.updates == windows * epochs
+    assert report.dropped_micro_batches == ({1: 1, 2: 1} if drops else {})
+    assert any(note.startswith("no DeepSpeed: Lightning's count is held against its optimizer's steps")
+               for note in report.notes)
+    assert any("policy 'sync' does nothing here" in note for note in report.notes) is (policy == "sync")
+
+
 @pytest.mark.parametrize("stage", [0, 2])
 def test_drop_last_trains_whole_windows_only(stage):
     n, g, epochs = 5, 2, 3

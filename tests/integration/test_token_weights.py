@@ -398,6 +398,20 @@ def test_lightning_is_named_by_its_modules_loss(loss):
 
 
 @pytest.mark.parametrize("loss", ["micro_batch_mean", "token_mean"])
+def test_lightning_without_deepspeed_is_named_by_its_modules_loss(loss):
+    """Lightning's own accumulation: its closure divides the loss by G once, as a mean needs; the callback says
+    where each training forward returns (no engine's forward hook can) and Lightning's loop where a window ends."""
+    pytest.importorskip("lightning")
+    from harness.token_runs import run_lightning_tokens
+
+    run = run_lightning_tokens(COUNTS, 4, loss=loss, deepspeed=False)
+    assert run.error is None and run.engine_steps == 1 and run.report.updater == "optimizer"
+    right(run, loss)
+    assert agrees_with_the_truth(run) == loss
+    assert not [line for line in run.report.not_checked if line.startswith("loss normalisation")]
+
+
+@pytest.mark.parametrize("loss", ["micro_batch_mean", "token_mean"])
 def test_a_fabric_loop_is_named_at_its_own_windows(loss):
     pytest.importorskip("lightning")
     from harness.token_runs import run_fabric_tokens

@@ -40,6 +40,27 @@ def test_the_forecast_reproduces_the_probe(version, deepspeed, case):
     assert scheduler == case["lightning_steps"]  # Lightning steps the scheduler on its own count
 
 
+with open(os.path.join(REPO, "probes", "lightning_alone.json")) as handle:
+    ALONE = [(version, case) for version, stack in json.load(handle)["stacks"].items() for case in stack["cases"]]
+
+
+@pytest.mark.parametrize("version, case", ALONE, ids=[f"{v}-N{c['n']}G{c['g']}E{c['epochs']}" for v, c in ALONE])
+def test_without_deepspeed_the_forecast_reproduces_the_probe(version, case):
+    """Lightning's own accumulation: its count, the optimizer's steps at every epoch's end, and each micro-batch's
+    weight (1/G, a partial window's too), as the probe measured them."""
+    from stepsync.core.lightning_versions import lightning_alone
+
+    n, g, epochs = case["n"], case["g"], case["epochs"]
+    predicted = forecast(RunPlan(n, g, epochs), lightning_alone(lightning_behaviour_of(LightningStack(version))))
+    assert (predicted.trainer_steps, predicted.engine_steps) == (case["lightning_steps"], case["engine_steps"])
+    ends = [row[2:4] for row in case["batches"] if row[1] == n - 1]
+    assert [[r.trainer_steps, r.engine_steps] for r in predicted.epochs] == ends
+    assert {round(w, 6) for update in case["updates"] for w in update.values()} == {round(1 / g, 6)}
+    assert predicted.micro_batch_weight == 1 / g and predicted.unapplied_micro_batches == 0
+    assert sum(len(update) for update in case["updates"]) == n * epochs  # every micro-batch in an update
+    assert case["batches"][-1][4] == case["lightning_steps"]
+
+
 def test_below_the_first_covered_release_is_refused_with_the_fix():
     with pytest.raises(UnsupportedVersion, match="upgrade lightning"):
         lightning_behaviour_of(LightningStack("1.9.5"))
