@@ -1,4 +1,5 @@
-"""``stepsync.lightning.watch``: the check, and the fix where it can be exact, for a Fabric loop on DeepSpeed.
+"""``stepsync.lightning.watch``: the check, and the fix where it can be exact, for a Fabric loop on DeepSpeed (and,
+without it, the checks that need none: each token's weight against the optimizer's steps).
 
 Fabric's documented accumulation loop calls ``fabric.backward(loss)`` on every micro-batch inside
 ``fabric.no_backward_sync(model, enabled=...)`` and ``optimizer.step()`` at the end of each window. Under
@@ -18,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import Any, Optional, Union
+from typing import Any, Optional, Tuple, Union
 
 from ..core.choices import Policy
 from ..core.errors import StepSyncConfigError
@@ -26,9 +27,11 @@ from ..core.events import Cause
 from ..core.frameworks import FABRIC_LOOP
 from ..core.lightning_versions import FabricZero12, fabric_zero12
 from ..core.tokens import Normalisation
+from ..core.versions import StackBehaviour, without_an_engine
 from ..engine.faults import guarded
 from ..engine.lifecycle import RunStart
 from ..engine.loop_objects import length_of
+from ..engine.optimizer import OptimizerSteps, count_optimizer_steps
 from ..engine.policies import loop_action_for
 from ..engine.run import Run
 from ..engine.watch import UserLoopWatch
@@ -60,19 +63,44 @@ class FabricWatch(UserLoopWatch):
         self.fabric, self.optimizer = fabric, optimizer
         self._ends_window: Optional[bool] = None  # what the loop's last no_backward_sync said of this micro-batch
         self._reported_micro_batch = True  # the last backward's micro-batch is in the run's count
+        self._says_windows = False  # the loop has used no_backward_sync: a backward outside it ends a window
         engine = lightning_facts.fabric_engine(fabric, model)
-        if engine is None:
-            self._idle("nothing to watch: this Fabric does not use DeepSpeed (strategy='deepspeed' or a "
-                       "DeepSpeedStrategy)", logging.WARNING)
-            return
+        if engine is None:  # Fabric's own accumulation: the updates are its torch optimizer's steps
+            engine = count_optimizer_steps(optimizer, 0, model, self._loop_window_ends)
+            if engine is None:
+                self._idle("nothing to watch: this Fabric has neither DeepSpeed nor a torch optimizer whose steps "
+                           "stepsync can count", logging.WARNING)
+                return
         self._start(engine, dataloader)
 
+    def _loop_window_ends(self) -> bool:
+        """The loop's own word on the running micro-batch (its no_backward_sync), read at its backward."""
+        run = self._run
+        return bool(run is not None and run.loop_window_ends)
+
     def _start(self, engine: Any, dataloader: Any) -> None:
-        stage = lightning_facts.zero_stage(self.fabric.strategy) or 0
-        gas = engine.gradient_accumulation_steps()
         behaviour = self._installed()
         if behaviour is None:
+            if isinstance(engine, OptimizerSteps):
+                engine.stop_counting()
             return
+        warning = None
+        if isinstance(engine, OptimizerSteps):
+            behaviour, gas = without_an_engine(behaviour), 1
+        else:
+            behaviour, gas, warning = self._on_deepspeed(engine, behaviour)
+        run = self._open(RunStart(FABRIC_LOOP, self.policy, engine, behaviour, length_of(dataloader), gas,
+                                  self.output, is_main=bool(getattr(self.fabric, "is_global_zero", True)),
+                                  action=loop_action_for(self.policy), loss_normalisation=self.loss_normalisation))
+        if warning:
+            run.voice.warn(warning)
+        self._wrap()
+
+    def _on_deepspeed(self, engine: Any, behaviour: StackBehaviour) -> Tuple[StackBehaviour, int, Optional[str]]:
+        """(the behaviour, the engine's G, what its release does wrong in a Fabric loop or None); refused where the
+        policy would act on a release whose optimizer fails."""
+        stage = lightning_facts.zero_stage(self.fabric.strategy) or 0
+        gas = engine.gradient_accumulation_steps()
         deepspeed = behaviour.stack.deepspeed
         zero12 = fabric_zero12(deepspeed) if stage in (1, 2) else None
         warning = None
@@ -82,16 +110,12 @@ class FabricWatch(UserLoopWatch):
                 raise StepSyncConfigError(warning)
         elif zero12 is FabricZero12.KEEPS_THE_LAST and not self.policy.steers_the_boundary:
             warning = LOSES_GRADIENTS.format(stage=stage)
-        run = self._open(RunStart(FABRIC_LOOP, self.policy, engine, behaviour, length_of(dataloader), gas,
-                                  self.output, is_main=bool(getattr(self.fabric, "is_global_zero", True)),
-                                  action=loop_action_for(self.policy), loss_normalisation=self.loss_normalisation))
-        if warning:
-            run.voice.warn(warning)
-        self._wrap()
+        return behaviour, gas, warning
 
     def _keep(self, run: Run) -> None:
         super()._keep(run)
-        run.known_cause = Cause.ENGINE_NOT_STEPPED
+        if run.facts.deepspeed:
+            run.known_cause = Cause.ENGINE_NOT_STEPPED
 
     def _wrap(self) -> None:
         fabric, optimizer = self.fabric, self.optimizer
@@ -100,7 +124,7 @@ class FabricWatch(UserLoopWatch):
 
         @contextlib.contextmanager
         def watched_no_backward_sync(module, enabled: bool = True):
-            self._ends_window = not enabled
+            self._ends_window, self._says_windows = not enabled, True
             with no_backward_sync(module, enabled):
                 yield
 
@@ -120,9 +144,15 @@ class FabricWatch(UserLoopWatch):
         self._micro_batch_begins(run, not self._reported_micro_batch)  # no optimizer.step() after the last one?
         self._reported_micro_batch = False
         ends_window, self._ends_window = self._ends_window, None
+        if ends_window is None and self._says_windows:
+            ends_window = True  # a loop that marks its accumulating micro-batches syncs the others
         if run.action.sets_the_boundary() and ends_window is None:
             raise StepSyncConfigError("policy 'sync' needs your loop's fabric.no_backward_sync(model, enabled=...) "
                                       "around each backward, to know which micro-batch ends a window")
+        if ends_window is None and run.token_weights is not None and run.token_weights.reading:
+            run.token_weights.remove()  # no window would ever end: nothing to name
+            run.voice.not_checked("loss normalisation: not read: your loop does not say where its windows end "
+                                  "(fabric.no_backward_sync(model, enabled=...) around each backward)")
         run.before_micro_batch(bool(ends_window))
 
     @guarded(steering=True)

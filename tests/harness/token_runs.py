@@ -455,9 +455,11 @@ def run_lightning_tokens(counts: Sequence[int], gas: int, loss: str = "micro_bat
 
 
 def run_fabric_tokens(counts: Sequence[int], gas: int, loss: str = "micro_batch_mean",
-                      policy: Optional[str] = "warn", stage: int = 0, declared: str = "token_mean") -> TokenRun:
+                      policy: Optional[str] = "warn", stage: int = 0, declared: str = "token_mean",
+                      deepspeed: bool = True) -> TokenRun:
     """Fabric's documented accumulation loop (no_backward_sync, the loss divided by G, optimizer.step() every G)
-    on the plain tiny LM, the DeepSpeed config's G 1, one window."""
+    on the plain tiny LM, the DeepSpeed config's G 1 (``deepspeed=False``: Fabric's own, one CPU device), one
+    window."""
     cpu_distributed_env()
     import lightning as L
     import torch
@@ -470,7 +472,7 @@ def run_fabric_tokens(counts: Sequence[int], gas: int, loss: str = "micro_batch_
     config = {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": 1,
               "gradient_accumulation_steps": 1, "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0}
     fabric = L.Fabric(accelerator="cpu", devices=1, strategy=DeepSpeedStrategy(
-        config=config, parallel_devices=[torch.device("cpu", 0)], process_group_backend="gloo"))
+        config=config, parallel_devices=[torch.device("cpu", 0)], process_group_backend="gloo") if deepspeed else "auto")
     fabric.launch()
     net = tiny_plain_lm()
     rows = windowed(counts, gas)

@@ -152,12 +152,22 @@ def test_check_forecasts_what_a_real_fabric_loop_counts(n, g, epochs, policy):
     assert forecast_epochs("fabric", n, g, epochs, policy) == ends
 
 
-def test_a_fabric_watch_without_deepspeed_says_so_when_it_starts(caplog):
+@pytest.mark.parametrize("policy", ["warn", "sync"])
+def test_a_fabric_loop_without_deepspeed_is_held_against_its_optimizers_steps(caplog, policy):
+    """Fabric's own accumulation, 5 samples, G=2, 3 epochs: the loop's optimizer.step() count is held against the
+    optimizer's own steps (a step post-hook): equal, nothing warned; the start says which checks ran. sync has
+    nothing to steer (said); both train what the unwatched loop trains (the weights)."""
     import logging
 
     with caplog.at_level(logging.WARNING, logger="stepsync"):
-        record = run_fabric(3, 2, 1, policy="warn", deepspeed=False)
-    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert said == ["stepsync: nothing to watch: this Fabric does not use DeepSpeed (strategy='deepspeed' or a "
-                    "DeepSpeedStrategy)"]
-    assert record.error is None and not record.watch.report.active
+        record = run_fabric(5, 2, 3, policy=policy, deepspeed=False)
+    plain = run_fabric(5, 2, 3, policy=None, deepspeed=False)
+    report = record.watch.report
+    assert record.error is None and report.active and report.updater == "optimizer"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert record.updates == plain.updates and (record.weights - plain.weights).abs().max().item() == 0
+    assert (report.trainer_steps, report.engine_steps, report.events) == (6, 6, [])
+    assert [loop for _, _, loop, _ in record.batches] == [0, 1, 1, 2, 2, 2, 3, 3, 4, 4, 4, 5, 5, 6, 6]
+    assert any(note.startswith("no DeepSpeed: your Fabric loop's count is held against its optimizer's steps")
+               for note in report.notes)
+    assert any("policy 'sync' does nothing here" in note for note in report.notes) is (policy == "sync")

@@ -422,6 +422,17 @@ def test_a_fabric_loop_is_named_at_its_own_windows(loss):
     assert agrees_with_the_truth(run) == loss
 
 
+@pytest.mark.parametrize("loss", ["micro_batch_mean", "token_mean"])
+def test_a_fabric_loop_without_deepspeed_is_named_at_its_own_windows(loss):
+    pytest.importorskip("lightning")
+    from harness.token_runs import run_fabric_tokens
+
+    run = run_fabric_tokens(COUNTS, 4, loss=loss, deepspeed=False)
+    assert run.error is None and run.report.updater == "optimizer"
+    right(run, loss)
+    assert agrees_with_the_truth(run) == loss
+
+
 # ---------------------------------------------------------------- a torch-native loop sharded with FSDP2
 
 @pytest.mark.parametrize("loss, rule", [("micro_batch_mean", "micro_batch_mean"), ("token_mean", "token_mean")])
