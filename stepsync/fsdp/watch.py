@@ -28,6 +28,7 @@ from ..core.frameworks import DDP_LOOP, FSDP_LOOP
 from ..core.plan import RunPlan
 from ..core.relayout import Layout
 from ..core.tokens import Normalisation
+from ..core.versions import installed_version
 from ..engine.faults import guarded
 from ..engine.lifecycle import RunStart
 from ..engine.loop_objects import length_of, sharding_dropped
@@ -150,7 +151,7 @@ class ShardedWatch(UserLoopWatch):
 
     def _said_at_start(self) -> Optional[str]:
         """What the start says of the model: the precision in force."""
-        return precision_in_force(self.model)
+        return precision_in_force(self.model, installed_version("torch"))
 
     def _sync_in_force(self) -> bool:
         """Whether the running (or next) backward reduces the gradients kept since the last that did."""

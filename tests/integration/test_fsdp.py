@@ -172,6 +172,42 @@ def test_the_precision_in_force_is_said_at_the_start_and_bf16_accumulation_loses
             "than the window's; MixedPrecisionPolicy(reduce_dtype=torch.float32) keeps it)" in said[0]
 
 
+@pytest.mark.parametrize("grad_dtype", ["float32", None])
+def test_bfloat16_weights_say_where_their_gradients_are_summed_grad_dtype_or_not(grad_dtype):
+    """bfloat16 weights without a MixedPrecisionPolicy, gradients 256 and 1 in one window (the sync off for the
+    first): FSDP2 sums them in bfloat16 and the 1 is rounded away (256), also where the parameter's grad_dtype asked
+    for float32 before fully_shard (which is gone after it: probes/fsdp_precision.json, torch 2.11.0 - 2.14.1 alike).
+    The start's note says so before the first micro-batch, the same either way."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    import stepsync
+
+    sharded()  # the process group
+    model = torch.nn.Sequential(torch.nn.Linear(1, 1, bias=False)).to(torch.bfloat16)
+    torch.nn.init.zeros_(model[0].weight)
+    if grad_dtype:
+        model[0].weight.grad_dtype = getattr(torch, grad_dtype)
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    watch = stepsync.watch(model, optimizer=optimizer, gradient_accumulation_steps=2, dataloader=range(2),
+                           num_epochs=1, console=False)
+    said_before = list(watch.report.notes)
+    for i, x in enumerate((256.0, 1.0)):
+        model.set_requires_gradient_sync(i == 1)
+        model(torch.tensor([[x]], dtype=torch.bfloat16)).sum().backward()
+    optimizer.step()
+    report = watch.close()
+    assert -model[0].weight.full_tensor().float().item() == 256.0  # the second micro-batch's 1 was rounded away
+    assert [note for note in said_before if note.startswith("FSDP2 weights in bfloat16")] == [
+        "FSDP2 weights in bfloat16 without a MixedPrecisionPolicy: gradients accumulated over the micro-batches "
+        "whose sync is off in bfloat16 (sums in it round away a micro-batch's gradient much smaller than the "
+        "window's; a float32 grad_dtype set on them before fully_shard does not change that (torch 2.11.0 - 2.14.1, "
+        "as probed)); float32 weights with MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+        "reduce_dtype=torch.float32) keep it"]
+    assert report.events == []
+
+
 @pytest.mark.parametrize("policy", ["warn", "raise"])
 def test_weights_made_not_finite_are_found_at_the_epoch_end_and_raise_stops_there(policy):
     """A loss that is not finite at epoch 1's micro-batch 3: the optimizer applies its gradient (torch checks none),
