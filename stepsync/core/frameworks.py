@@ -111,6 +111,18 @@ class BackwardCall(str, Enum):
     ACCELERATE = "accelerate"  # the same, inside accelerate's accumulate()
     TRAINER = "trainer"  # engine.backward(loss / G, scale_wrt_gas=False): transformers' Trainer
     LIGHTNING = "lightning"  # engine.backward(loss / G): Lightning's closure divides, and the engine again
+    FULLY_SHARD = "fully_shard"  # loss.backward() on a model FSDP2 shards: no engine; the loop's own division
+    DDP = "ddp"  # loss.backward() on a model DDP replicates, the window's others under no_sync(): no engine
+
+    @property
+    def through_an_engine(self) -> bool:
+        """The backward goes through a DeepSpeed engine (what ``stepsync verify`` builds from a config)."""
+        return self not in (BackwardCall.FULLY_SHARD, BackwardCall.DDP)
+
+    @property
+    def fully_sharded(self) -> bool:
+        """The backward goes through FSDP2 (what ``stepsync verify`` measures without an engine)."""
+        return self is BackwardCall.FULLY_SHARD
 
     def backward(self, engine: Any, loss: Any, g: int, items_counted: bool = False) -> None:
         """Hand one micro-batch's ``loss`` to ``engine`` as this framework does (``g``: its G); ``items_counted``:
@@ -120,8 +132,10 @@ class BackwardCall(str, Enum):
             engine.backward(loss * 1 if items_counted else loss / g, scale_wrt_gas=False)
         elif self is BackwardCall.LIGHTNING:
             engine.backward(loss / g)
-        else:
+        elif self.through_an_engine:
             engine.backward(loss)
+        else:  # torch's own: the loop divides, no engine does
+            loss.backward()
 
     @property
     def as_probed(self) -> BackwardCall:
@@ -338,6 +352,7 @@ FSDP_LOOP = Framework(
     metric_keys=("stepsync/loop_steps", "stepsync/optimizer_steps", "stepsync/drift"),
     remedy="use stepsync.watch(model, optimizer=..., policy='sync'), which turns the gradient sync on at the last "
            "micro-batch of each of your loop's windows",
+    backward_call=BackwardCall.FULLY_SHARD,
     g_fix="pass stepsync.watch(model, gradient_accumulation_steps=G) the G your loop steps its optimizer at",
     refused=(Refusal("follows_the_engine", "cannot change your loop's own count", (Policy.SYNC, Policy.WARN)),
              Refusal("ends_epochs_early", "cannot end your dataloader's epochs early", (Policy.SYNC,),
@@ -346,7 +361,7 @@ FSDP_LOOP = Framework(
 
 # The same loop around a DistributedDataParallel model: the window's other micro-batches run under model.no_sync().
 DDP_LOOP = replace(
-    FSDP_LOOP, name="your DDP loop", key="ddp",
+    FSDP_LOOP, name="your DDP loop", key="ddp", backward_call=BackwardCall.DDP,
     remedy="use stepsync.watch(model, optimizer=..., policy='sync'), which turns DDP's gradient sync on at the last "
            "micro-batch of each of your loop's windows (as if the others ran under model.no_sync())")
 

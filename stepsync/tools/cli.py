@@ -35,6 +35,7 @@ from .config import (
     weight_faults_of,
 )
 from .demo import run_demo
+from .fsdp_measurement import add_dtype_flags, refuse_dtype_flags, verify_sharded_command
 from .resume_audit import planned_here, resume_on
 from .verify import measuring_config, verify_command
 
@@ -162,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "the update, a non-finite loss, the clip in force. Exit 0: every weight is 1/G; 1: one is "
                     "not; 2: a config it cannot run.",
         epilog="example: stepsync verify --deepspeed-config ds_config.json --gas 4 --json\n"
-               "example: stepsync verify --deepspeed-config ds_config.json --gas 4 --world-size 2",
+               "example: stepsync verify --deepspeed-config ds_config.json --gas 4 --world-size 2\n"
+               "example: stepsync verify --framework fsdp --gas 4 --param-dtype bfloat16 --reduce-dtype float32",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     verify.add_argument("--deepspeed-config", "--deepspeed", dest="deepspeed", metavar="FILE",
                         help="your DeepSpeed JSON config (check's flag name; --deepspeed works too); optional where "
@@ -177,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "else a plain DeepSpeed loop)")
     verify.add_argument("--world-size", type=positive_int, default=1,
                         help="measure on this many local processes (gloo): what only several ranks show")
+    add_dtype_flags(verify)
     verify.add_argument("--verbose", action="store_true", help="show DeepSpeed's own output (on stderr)")
     verify.add_argument("--json", action="store_true", help="print one JSON object")
     demo = commands.add_parser(
@@ -302,6 +305,12 @@ def run_inspect(args) -> int:
 
 def run_verify(args) -> int:
     # what it refuses is said before anything else, as check says it
+    framework = framework_called(args.framework or (TRAINER if args.training_args else DEEPSPEED_LOOP).key)
+    if not framework.backward_call.through_an_engine:
+        code = verify_sharded_command(framework, args)
+        end_after_a_process_group(code)
+        return code
+    refuse_dtype_flags(args)
     transformers = installed_version("transformers") or assumed_release("transformers")
     files = read_files(args.training_args, args.deepspeed, {"gas": args.gas}, transformers)
     if files.deepspeed is None:
@@ -313,14 +322,13 @@ def run_verify(args) -> int:
     if not isinstance(gas, int) or isinstance(gas, bool):
         raise ConfigInputError("gradient_accumulation_steps is not given: pass --gas, or a --training-args or "
                                "--deepspeed-config file that sets it")
-    framework = args.framework or (TRAINER if args.training_args else DEEPSPEED_LOOP).key
     measuring_config(config, gas, args.world_size)
     missing = [p for p in ("torch", "deepspeed") if installed_version(p) is None]
     if missing:
         print(f"stepsync: error: stepsync verify runs DeepSpeed: it needs {', '.join(missing)}: {INSTALL_TRAINING}",
               file=sys.stderr)
         return EXIT_BAD_INPUT
-    code = verify_command(config, gas, args.json, framework, args.world_size, args.verbose)
+    code = verify_command(config, gas, args.json, framework.key, args.world_size, args.verbose)
     end_after_a_process_group(code)
     return code
 

@@ -208,6 +208,32 @@ def test_bfloat16_weights_say_where_their_gradients_are_summed_grad_dtype_or_not
     assert report.events == []
 
 
+def test_verify_measures_fsdp2_s_window_as_the_probes_did_on_this_torch():
+    """`stepsync verify --framework fsdp` in a child process, each precision the probes measured
+    (probes/fsdp_precision.json) on this torch: the same shares and the same small gradients kept or rounded away,
+    exit 0 where every one is kept, 1 where one is not."""
+    import json
+    import os
+
+    from harness.cli import stepsync_process
+    from harness.paths import REPO
+    from stepsync.core.versions import installed_version
+
+    with open(os.path.join(REPO, "probes", "fsdp_precision.json")) as handle:
+        probed = json.load(handle)["releases"].get(installed_version("torch").split("+")[0])
+    if probed is None:
+        pytest.skip("this torch was not probed")
+    flags = {"none": [], "bf16_reduce_fp32": ["--param-dtype", "bfloat16", "--reduce-dtype", "float32"],
+             "bf16_weights_grad_dtype_fp32": ["--weights-dtype", "bfloat16", "--grad-dtype", "float32"]}
+    for case, given in flags.items():
+        row = next(row for row in probed if row["policy"] == case and row["g"] == 4 and not row["late_parameter"])
+        proc = stepsync_process("verify", "--framework", "fsdp", "--gas", "4", *given, "--json")
+        verdict = json.loads(proc.stdout)
+        assert (verdict["shares"], verdict["small_kept"]) == (row["shares"], row["small_kept"]), case
+        right = row["small_kept"] == [1.0] * 3
+        assert verdict["right"] is right and proc.returncode == (0 if right else 1), (case, proc.stderr)
+
+
 @pytest.mark.parametrize("policy", ["warn", "raise"])
 def test_weights_made_not_finite_are_found_at_the_epoch_end_and_raise_stops_there(policy):
     """A loss that is not finite at epoch 1's micro-batch 3: the optimizer applies its gradient (torch checks none),

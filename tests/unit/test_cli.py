@@ -453,6 +453,28 @@ def test_verify_refuses_what_check_refuses(tmp_path):
         assert proc.returncode == 2 and "is TrainingArguments: pass it as --training-args" in proc.stderr, proc.stderr
 
 
+def test_verify_of_an_fsdp2_loop_refuses_what_it_cannot_measure_before_anything_runs(tmp_path):
+    """--framework fsdp measures FSDP2's window on one rank with the dtypes given; what does not fit is refused with
+    the flag to change (no torch needed), and the dtype flags are refused for DeepSpeed, whose config sets them."""
+    config = write(tmp_path, "ds.json", json.dumps({"gradient_accumulation_steps": 2}))
+    cases = {
+        ("--framework", "fsdp"): "--framework fsdp needs --gas G: the micro-batches per optimizer.step() your loop "
+                                 "means",
+        ("--framework", "fsdp", "--gas", "2", "--deepspeed-config", config): "--deepspeed-config: --framework fsdp "
+        "measures FSDP2's window on one rank, with no DeepSpeed or Trainer file; leave it out",
+        ("--framework", "fsdp", "--gas", "2", "--world-size", "2"): "--world-size: --framework fsdp measures",
+        ("--framework", "ddp", "--gas", "2"): "stepsync verify measures a DeepSpeed engine or FSDP2's fully_shard; "
+                                              "your DDP loop sums a window's gradients in its weights' dtype",
+        ("--deepspeed-config", config, "--gas", "2", "--param-dtype", "bfloat16"): "--weights-dtype, --param-dtype, "
+        "--reduce-dtype and --grad-dtype describe an FSDP2 model: use them with --framework fsdp",
+    }
+    for flags, said in cases.items():
+        proc = stepsync("verify", *flags)
+        assert proc.returncode == 2 and proc.stdout == "", (flags, proc)
+        assert proc.stderr.startswith(f"stepsync: error: {said}"), (flags, proc.stderr)
+    assert stepsync("verify", "--framework", "fsdp", "--gas", "2", "--param-dtype", "bf16").returncode == 2
+
+
 def test_a_slow_op_build_is_said_before_it_starts(tmp_path):
     """An Adam/AdamW optimizer in the DeepSpeed config makes DeepSpeed compile fused_adam (cpu_adam where the
     optimizer is offloaded) when the engine is built; "torch_adam", a prebuilt op or one compiled before say

@@ -57,11 +57,15 @@ def test_backward_is_called_as_each_framework_calls_it():
         def backward(self, loss, **kwargs):
             calls.append((loss, kwargs))
 
+    class Loss:  # a torch-native loop's: loss.backward(), no engine
+        def backward(self):
+            calls.append(("loss.backward()", {}))
+
     for call in BackwardCall:
-        call.backward(Engine(), 12.0, 4)
+        call.backward(Engine(), 12.0 if call.through_an_engine else Loss(), 4)
     TRAINER.backward_call.backward(Engine(), 12.0, 4, items_counted=True)
     assert calls == [(12.0, {}), (12.0, {}), (3.0, {"scale_wrt_gas": False}), (3.0, {}),
-                     (12.0, {"scale_wrt_gas": False})]
+                     ("loss.backward()", {}), ("loss.backward()", {}), (12.0, {"scale_wrt_gas": False})]
 
 
 @pytest.fixture
