@@ -133,7 +133,7 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None,
     _state_what_differs(run, start.framework)
     if start.record_problem:
         run.voice.error(f"{start.record_problem}; the report covers this run only")
-    _say_the_shift(run, start.shift)
+    say_the_shift(run, start.shift)
     say_the_clip(run, start.asked_clip, start.clip_fix, "before the first micro-batch")
     in_force = run.g_in_force
     _say_the_weight_faults(run, start.behaviour.stack, in_force, start.framework.backward_call)
@@ -275,7 +275,7 @@ def _say_the_weight_faults(run: Run, stack: Any, g: int, call: BackwardCall) -> 
     run.output_hooks = watch_outputs(run, faults, deepspeed, g)
 
 
-def _say_the_shift(run: Run, shift: Optional[ResumeShift]) -> None:
+def say_the_shift(run: Run, shift: Optional[ResumeShift]) -> None:
     """A resume on another layout: said as a note where it lands exactly, else warned, or refused under raise."""
     if shift is None:
         return

@@ -181,9 +181,17 @@ def test_a_checkpoint_saved_on_two_ranks_inside_an_epoch_is_said_where_one_rank_
     report = watch.close()
     assert report.resumed_from is not None and report.resumed_from.world_size == 2
     assert (report.resumed_from.trainer_steps, report.resumed_from.next_skip) == (1, 2)
-    said = [note for note in report.notes if note.startswith("this checkpoint was saved on 2 rank(s)")]
-    assert said == ["this checkpoint was saved on 2 rank(s), inside epoch 1 (each rank had done 2 micro-batch(es) "
-                    "of it), and the run resumed on 1: torch.distributed.checkpoint reshards the weights and the "
-                    "optimizer's state, not where each rank is in its data, so skipping as many micro-batches on "
-                    "each rank now trains other samples than those left: resume from a checkpoint saved at an "
-                    "epoch's end, or on the ranks it was saved on"]
+    # the truth: the two ranks had trained samples i * 2 + r of their first 2 micro-batches; one rank that skips
+    # as many micro-batches trains samples 2 .. 9 of the same order
+    saved = {i * WORLD + r for i in range(2) for r in range(WORLD)}
+    resumed = set(range(2, PER_RANK * WORLD))
+    shift = report.resume_shift
+    assert shift.repeated == {1: len(saved & resumed)} == {1: 2}
+    assert shift.skipped == {} and set(range(PER_RANK * WORLD)) == saved | resumed
+    said = [note for note in report.notes if note.startswith("checkpoint saved on 2 rank(s)")]
+    assert said == [f"checkpoint saved on {shift.saved.describe()}, resumed on {shift.resumed.describe()}: "
+                    "torch.distributed.checkpoint reshards the weights and the optimizer's state, not the data "
+                    "position: a loop that skips the 2 micro-batch(es) each rank had done of epoch 1 resumes at "
+                    "sample 2 of its order, while the run stood at epoch 1, sample 4; it will train 2 sample(s) "
+                    "twice (2 of epoch 1); resume from a checkpoint saved at an epoch's end, or on the 2 rank(s) it "
+                    "was saved on"]
