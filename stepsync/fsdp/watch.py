@@ -99,6 +99,7 @@ class ShardedWatch(UserLoopWatch):
     framework = FSDP_LOOP
     _checkpoints: DistributedCheckpoints
     keeps_unreduced = True  # a backward with the sync off leaves its gradient for the next synced one, past a step
+    reads_the_sync_at_forward = False  # FSDP2 reads it at the backward: sync sets it in the forward's own hook
 
     def __init__(self, model: Any, optimizer: Any, policy: Union[str, Policy], dataloader: Any,
                  num_epochs: Optional[float], gradient_accumulation_steps: int, console: Any,
@@ -118,6 +119,7 @@ class ShardedWatch(UserLoopWatch):
         self._alone = False  # one DDP rank: a gradient left unreduced is the average already (set at the start)
         self._reported_micro_batch = True  # the last backward's micro-batch is in the run's count
         self._hooks: list = []
+        self._steers_after_forward = False  # sync sets the sync in the forward's hook (set at the start)
         self._checkpoints = DistributedCheckpoints()
         self._num_epochs = num_epochs
         self._start(dataloader, num_epochs, gradient_accumulation_steps)
@@ -180,7 +182,8 @@ class ShardedWatch(UserLoopWatch):
         self._call_before(optimizer, "zero_grad", self._before_zero_grad)
         self._watch_checkpoints()
         self._backwards_seen = self._see_backwards()
-        if self.policy.steers_the_boundary:
+        self._steers_after_forward = self.policy.steers_the_boundary and not self.reads_the_sync_at_forward
+        if self.policy.steers_the_boundary and self.reads_the_sync_at_forward:
             self._hooks.append(self.model.register_forward_pre_hook(self._steer))
         self._hooks.append(self.model.register_forward_hook(self._forward_hook))
 
@@ -246,11 +249,14 @@ class ShardedWatch(UserLoopWatch):
 
     @guarded(steering=True)
     def _steer(self, run: Run, module: Any, args: Any) -> None:
-        """Under ``sync``, before a training micro-batch's forward: the sync on where it ends one of the loop's
-        windows (every G-th micro-batch of an epoch and its last), off elsewhere."""
+        """Under ``sync``, before a training micro-batch's forward (where the sync is read there: DDP)."""
         if not module.training or not self._grad_enabled():
             return
-        done = run.position + (not self._reported_micro_batch)  # the last micro-batch is counted at the next
+        self._sync_for(run, run.position + (not self._reported_micro_batch))  # the last is counted at the next
+
+    def _sync_for(self, run: Run, done: int) -> None:
+        """Under ``sync``, for the micro-batch after ``done`` of the epoch: the sync on where it ends one of the
+        loop's windows (every G-th micro-batch of an epoch and its last), off elsewhere."""
         position = 1 if run.n is not None and done >= run.n else done + 1
         ends = position % run.g == 0 or position == run.n
         if ends != self._sync_in_force():  # set where it changes only: FSDP2 walks every sharded module to set it
@@ -264,6 +270,8 @@ class ShardedWatch(UserLoopWatch):
             self.loop_steps, self._opened = started.trainer_steps, None
         self._micro_batch_begins(run, not self._reported_micro_batch)  # no optimizer.step() after the last one?
         self._reported_micro_batch = False
+        if self._steers_after_forward:  # before the backward that reads it: no hook of its own before the forward
+            self._sync_for(run, run.position)
 
     @guarded(steering=True)
     def _backward(self, run: Run, sync: bool) -> None:
@@ -321,6 +329,7 @@ class ReplicatedWatch(ShardedWatch):
 
     framework = DDP_LOOP
     keeps_unreduced = False
+    reads_the_sync_at_forward = True
 
     def _backward_follows(self, module: Any, tensor: Any) -> None:
         """DDP reads the sync at the forward: the backward's sync is known at once (on one rank every micro-batch
