@@ -55,8 +55,14 @@ def test_counters_that_fail_mid_loop_switch_stepsync_off_and_the_loop_trains_on(
 
 
 @pytest.mark.reliability("fault")
-def test_a_failing_boundary_call_under_sync_never_ends_the_loop(monkeypatch, caplog):
-    result = faulty_loop(monkeypatch, caplog, "sync", {"set_gradient_accumulation_boundary": "raise"}, breaks_at=3)
+@pytest.mark.parametrize("breaks_at", [3, 7])
+def test_a_failing_boundary_call_under_sync_never_ends_the_loop(monkeypatch, caplog, breaks_at):
+    """sync sets the boundary only from the first micro-batch where the engine's own counter would decide otherwise
+    (micro-batch 5, epoch 1's partial window), then at every change. The setter failing from micro-batch 3 on fails
+    that first call: nothing was set, DeepSpeed keeps its own boundary, and nothing is said to be left behind; failing
+    from micro-batch 7 on, after two calls took, it also fails giving the boundary back, said in the same message."""
+    result = faulty_loop(monkeypatch, caplog, "sync", {"set_gradient_accumulation_boundary": "raise"},
+                         breaks_at=breaks_at)
     assert result.error is None and len(result.loop_steps) == N * EPOCHS
     report = result.watch.report
     if not DRIFTS:  # accelerate >= 1.8 sets the boundary itself; sync never calls it
@@ -64,8 +70,10 @@ def test_a_failing_boundary_call_under_sync_never_ends_the_loop(monkeypatch, cap
         return
     errors = stepsync_errors(caplog)
     assert len(errors) == 1 and "injected failure reading set_gradient_accumulation_boundary" in errors[0].getMessage()
-    # The setter is what failed: stepsync says it could not give the boundary back, in the same one message.
-    assert "could not be given back" in errors[0].getMessage() and not report.active and report.finished
+    set_before = breaks_at > 5
+    assert ("could not be given back" in errors[0].getMessage()) is set_before
+    assert (result.engine._is_gradient_accumulation_boundary is None) is not set_before
+    assert not report.active and report.finished
     assert result.watch.close() is report  # a second close changes nothing and raises nothing
 
 
