@@ -201,9 +201,10 @@ class EngineWatch(UserLoopWatch):
                       "window's first micro-batches are lost (counted in the report)")
         elif self._steers:
             effect = f": policy 'sync' had set the engine's boundary before the {stated}th (nothing lost on this stage)"
+        closed = "; from here each window is closed at its step()" if self._steers else ""
         run.voice.warn(f"your loop called backward() {self._backwards} times before step(), more than the "
-                       f"gradient_accumulation_steps={stated} it gave stepsync.watch(){effect}; from here each window "
-                       "is closed at its step(): pass the backward() calls your loop makes per step()")
+                       f"gradient_accumulation_steps={stated} it gave stepsync.watch(){effect}{closed}: pass the "
+                       "backward() calls your loop makes per step()")
 
     @guarded(steering=True)
     def _before_step(self, run: Run, backward: Any) -> None:

@@ -155,6 +155,7 @@ def test_a_window_longer_than_the_k_given_is_said_and_its_loss_counted_as_the_we
     assert len(said) == 1 and said[0].startswith("your loop called backward() 5 times before step(), more than")
     replaced = policy == "sync" and release is SeveralBackwards.REPLACES
     assert ("so that window's first micro-batches are lost" in said[0]) is replaced
+    assert ("from here each window is closed at its step()" in said[0]) is (policy == "sync")  # warn closes none
     if policy == "sync":
         assert lost == ([4, 5, 6, 7] if replaced else []) and run.engine_steps == [1, 2]
         assert not any("or use policy='sync'" in note for note in report.notes)
