@@ -28,9 +28,10 @@ def shows(fact: str, torch: str) -> Optional[bool]:
     """Whether torch release ``torch`` shows ``fact`` (a row's behaviour): None where it was not probed and lies
     outside the probed releases' range."""
     row = next(row for row in FSDP_PRECISION_ROWS if row.behaviour == fact)
-    if parse_version(torch) < parse_version(PROBED_TORCH[0]) or parse_version(torch) > parse_version(PROBED_TORCH[-1]):
+    release = torch.split("+")[0]  # a build's local label (+cpu, +cu130) is the same release
+    if not parse_version(PROBED_TORCH[0]) <= parse_version(release) <= parse_version(PROBED_TORCH[-1]):
         return None
-    return row.covers(torch)
+    return row.covers(release)
 
 
 def probed_range() -> str:

@@ -37,3 +37,5 @@ def test_each_probed_case_is_what_the_rows_and_the_words_say(release, row):
 
 def test_a_release_outside_the_probed_ones_is_not_said_to_show_anything():
     assert shows("grad_dtype_dropped", "2.10.0") is None and shows("grad_dtype_dropped", "2.15.0") is None
+    # a build's local label is the same release: the CPU and CUDA builds of the newest probed one
+    assert shows("grad_dtype_dropped", "2.14.1+cpu") is shows("grad_dtype_dropped", "2.14.1+cu130") is True
