@@ -224,11 +224,11 @@ class StackBehaviour:
     @property
     def remedy(self) -> str:
         """What a user can do when this stack drifts."""
+        if self.engine_reason == WITHOUT_AN_ENGINE.format(framework=self.framework.name):  # no policy changes that
+            return (f"find why the optimizer did not step where {self.framework.name} counted an update (fp16's "
+                    "GradScaler skips a step whose gradients are not finite)")
         if self.framework.remedy is not None:
             return self.framework.remedy
-        if self.engine_reason == WITHOUT_AN_ENGINE:
-            return ("find why the optimizer did not step where the Trainer counted an update (fp16's GradScaler "
-                    "skips a step whose gradients are not finite)")
         if self.engine_boundary is EngineBoundary.FOLLOWS_TRAINER:
             return "use StepSyncCallback(policy='realign') to adopt the engine's count"
         if self.trainer_rule is TrainerRule.EPOCH_END:  # the count accelerate's fix makes the engine follow
@@ -289,11 +289,12 @@ def behaviour_of(stack: Stack) -> StackBehaviour:
     )
 
 
-WITHOUT_AN_ENGINE = "no DeepSpeed: the optimizer steps where the Trainer counts an update"
+WITHOUT_AN_ENGINE = "no DeepSpeed: the optimizer steps where {framework} counts an update"
 
 
 def without_an_engine(behaviour: StackBehaviour) -> StackBehaviour:
     """``behaviour`` for a run without DeepSpeed (DDP, FSDP, one device): the optimizer steps at the framework's own
     boundaries, so the updates follow its count; its counting, planning and resume arithmetic stay the release's."""
-    return replace(behaviour, engine_boundary=EngineBoundary.FOLLOWS_TRAINER, engine_reason=WITHOUT_AN_ENGINE,
+    return replace(behaviour, engine_boundary=EngineBoundary.FOLLOWS_TRAINER,
+                   engine_reason=WITHOUT_AN_ENGINE.format(framework=behaviour.framework.name),
                    can_override_boundary=False)
