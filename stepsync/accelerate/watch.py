@@ -121,8 +121,6 @@ class LoopWatch(UserLoopWatch):
                                 layout=loop_layout(engine, dataloader, g, n))
         # The forecast waits for the first micro-batch: a load_state before it changes where the loop starts.
         self._open(self._opened, training_starts=False)
-        if n is None and self._run is not None:
-            self._run.voice.note("no dataloader length: pass dataloader=... to stepsync.watch() for a forecast")
         self._wrap()
 
     def _wrap(self) -> None:

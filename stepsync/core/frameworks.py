@@ -205,6 +205,7 @@ class Framework:
         loss_divisions: how many times a micro-batch's loss is divided by G where its loop fixes that, whatever
             the releases (None: the release table says); ``caveat``: what the forecast cannot know of it.
         loss_fix: how a user of it makes each window's loss a mean over its trained tokens, in a message.
+        no_length: what a run without its dataloader's length misses, and the fix, as its start says it.
         checkpoints: the folders ``stepsync inspect`` reads of it (:class:`SavedFolders`), or None where it saves
             none that it reads.
         loss_paths: the ways its users compute a window's loss, each ``(path, words)``, that ``stepsync verify``
@@ -232,6 +233,7 @@ class Framework:
     plans_by_forecast: bool = False
     checks_every_micro_batch: bool = False
     checkpoints: Optional[SavedFolders] = None
+    no_length: str = "the train dataloader has no length: no forecast, and 'sync'/'drop_last' cannot plan windows"
     loss_divisions: Optional[int] = None
     caveat: str = ""
     packages: Tuple[str, ...] = ("transformers", "accelerate", "deepspeed")
@@ -294,7 +296,12 @@ LIGHTNING = Framework(
 
 # accelerate's accumulate() is the epoch-end rule: a window every G micro-batches, restarted at the dataloader's
 # end; the run_*_no_trainer.py examples plan epochs * ceil(N / G) updates.
+# what a loop a user writes misses without its dataloader's length (the watch is given it, or not)
+LOOP_NO_LENGTH = ("no dataloader length: pass dataloader=... (one with a length) to stepsync.watch() to tell its "
+                  "epochs apart and for a forecast")
+
 ACCELERATE_LOOP = Framework(
+    no_length=LOOP_NO_LENGTH,
     name="your loop", who="your loop", counter="loop updates", whose_g="the accelerator's", key="accelerate",
     metric_keys=("stepsync/loop_steps", "stepsync/engine_steps", "stepsync/drift"),
     backward_call=BackwardCall.ACCELERATE, counts_by=TrainerRule.EPOCH_END, plans_by=PlannedSteps.CEIL,
@@ -309,6 +316,7 @@ ACCELERATE_LOOP = Framework(
 # Fabric's documented loop steps at every G-th micro-batch of an epoch (its leftovers join the next epoch's first
 # window) and runs every epoch; its optimizer.step() updates the weights without engine.step().
 FABRIC_LOOP = Framework(
+    no_length=LOOP_NO_LENGTH,
     name="your Fabric loop", who="your loop", counter="your loop's optimizer.step() count",
     whose_g="the DeepSpeed config's", key="fabric", counts_by=TrainerRule.WHOLE_WINDOWS,
     plans_by=PlannedSteps.WHOLE, engine_stepped=EngineBoundary.NEVER_STEPPED,
@@ -327,6 +335,7 @@ FABRIC_LOOP = Framework(
 # schedule as epochs * ceil(N / G) (its windows restart at each epoch). A loop that calls backward() several times
 # per step() closes its own windows at each step() (the watch learns which at the first step()).
 DEEPSPEED_LOOP = Framework(
+    no_length=LOOP_NO_LENGTH,
     name="your DeepSpeed loop", who="your loop", counter="loop windows", whose_g="the DeepSpeed config's",
     key="deepspeed", counts_by=TrainerRule.EPOCH_END, plans_by=PlannedSteps.CEIL,
     engine_stepped=EngineBoundary.MICRO_COUNTER,
@@ -346,6 +355,7 @@ DEEPSPEED_LOOP = Framework(
 # write it: the loop closes a window every G micro-batches and at the dataloader's end, turns the gradient sync on
 # for each window's last micro-batch (model.set_requires_gradient_sync(is_last)) and steps its optimizer there.
 FSDP_LOOP = Framework(
+    no_length=LOOP_NO_LENGTH,
     name="your FSDP2 loop", who="your loop", counter="loop windows", whose_g="your loop's", key="fsdp",
     counts_by=TrainerRule.EPOCH_END, plans_by=PlannedSteps.CEIL, engine_stepped=EngineBoundary.FOLLOWS_TRAINER,
     engine_reason="your loop steps its optimizer itself: each update is an optimizer.step() of the loop's",

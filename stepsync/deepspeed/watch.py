@@ -36,7 +36,7 @@ from ..engine.loop_objects import length_of
 from ..engine.policies import engine_loop_action_for
 from ..engine.resume import engines_schedule
 from ..engine.run import Run
-from ..engine.watch import NO_LENGTH, UserLoopWatch, accumulation_given
+from ..engine.watch import UserLoopWatch, accumulation_given
 from .checkpoints import EngineCheckpoints, checkpoint_folder
 
 UNSEEN_BACKWARD = ("engine.step() came with no engine.backward() before it: your loop calls backward another way "
@@ -126,8 +126,6 @@ class EngineWatch(UserLoopWatch):
         if start:
             run.voice.note(f"the engine had made {start} update(s) before stepsync.watch(): your loop's count is taken "
                            "to start there")
-        if n is None:
-            run.voice.note(NO_LENGTH)
         self._wrap()
 
     def _wrap(self) -> None:

@@ -156,7 +156,7 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None,
 def _state_what_differs(run: Run, framework: Framework) -> None:
     """Say once, at the start, what makes this run differ from what the forecast assumes."""
     if run.n is None:
-        run.voice.note("the train dataloader has no length: no forecast, and 'sync'/'drop_last' cannot plan windows")
+        run.voice.note(framework.no_length)
     engine_g = run.facts.gradient_accumulation_steps
     if engine_g not in (None, run.g):
         run.known_cause, run.remedy = Cause.TWO_GS, framework.g_fix

@@ -31,8 +31,6 @@ from .resume import LoopSaves
 from .run import Run
 
 Watch = TypeVar("Watch", bound="UserLoopWatch")
-NO_LENGTH = ("no dataloader length: pass dataloader=... to stepsync.watch() to tell its epochs apart and for a "
-             "forecast")
 
 
 def accumulation_given(given: Any, meaning: str) -> int:

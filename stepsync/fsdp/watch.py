@@ -35,7 +35,7 @@ from ..engine.loop_objects import length_of, sharding_dropped
 from ..engine.optimizer import count_optimizer_steps, innermost_optimizer
 from ..engine.policies import WatchOnly, action_for
 from ..engine.run import Run
-from ..engine.watch import NO_LENGTH, UserLoopWatch, accumulation_given
+from ..engine.watch import UserLoopWatch, accumulation_given
 from .checkpoints import DistributedCheckpoints, checkpoint_folder
 from .precision import precision_in_force
 
@@ -144,8 +144,6 @@ class ShardedWatch(UserLoopWatch):
                                 layout=_layout(dataloader, ranks, g))
         # Training starts at the first micro-batch: a checkpoint loaded before it carries the report on.
         run = self._open(self._opened, training_starts=False)
-        if n is None:
-            run.voice.note(NO_LENGTH)
         said = self._said_at_start()
         if said:
             run.voice.note(said)

@@ -124,6 +124,10 @@ def test_sync_given_the_loops_k_sets_the_boundary_before_its_kth_backward(stage)
         report = run.watch.report
         assert (report.trainer_steps, report.engine_steps, report.lost_gradients, report.events) == (3, 3, [], [])
     assert (told.gradient_passes, untold.gradient_passes) == (12, 14)
+    # no dataloader given: said once, in the loop's words (not also in the Trainer's)
+    assert [note for note in told.watch.report.notes if "length" in note] == [
+        "no dataloader length: pass dataloader=... (one with a length) to stepsync.watch() to tell its epochs apart "
+        "and for a forecast"]
     assert not [note for note in told.watch.report.notes if "gradient_accumulation_steps" in note]
     assert [note for note in untold.watch.report.notes if "gradient_accumulation_steps" in note] == [
         "policy 'sync' closes each window of your loop at its step() with one more backward() (of a zero loss: it "
