@@ -294,12 +294,12 @@ LIGHTNING = Framework(
                      "progress counters, which a callback cannot set", (Policy.SYNC, Policy.DROP_LAST)),),
     remedy="use stepsync.lightning.StepSyncCallback(policy='sync')", schedules_on_its_count=True)
 
-# accelerate's accumulate() is the epoch-end rule: a window every G micro-batches, restarted at the dataloader's
-# end; the run_*_no_trainer.py examples plan epochs * ceil(N / G) updates.
-# what a loop a user writes misses without its dataloader's length (the watch is given it, or not)
+# What a loop a user writes misses without its dataloader's length (the watch is given it, or not).
 LOOP_NO_LENGTH = ("no dataloader length: pass dataloader=... (one with a length) to stepsync.watch() to tell its "
                   "epochs apart and for a forecast")
 
+# accelerate's accumulate() is the epoch-end rule: a window every G micro-batches, restarted at the dataloader's
+# end; the run_*_no_trainer.py examples plan epochs * ceil(N / G) updates.
 ACCELERATE_LOOP = Framework(
     no_length=LOOP_NO_LENGTH,
     name="your loop", who="your loop", counter="loop updates", whose_g="the accelerator's", key="accelerate",

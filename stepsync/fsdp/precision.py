@@ -6,6 +6,9 @@ from typing import Any, Optional
 
 from ..core.fsdp_releases import probed_range, shows
 
+# what keeps a micro-batch's small gradient in a window's sum (probes/fsdp_precision.json: float32 sums keep it)
+KEEPS_IT = "float32 weights with MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) keep it"
+
 
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).replace("torch.", "")
@@ -47,5 +50,4 @@ def _low_precision_weights(kept: Any, torch: Optional[str]) -> Optional[str]:
         + ("" if dropped else f"; torch {torch} was not probed") + ")")
     return (f"FSDP2 weights in {_dtype_name(kept)} without a MixedPrecisionPolicy: gradients accumulated over the "
             f"micro-batches whose sync is off in {_dtype_name(kept)} (sums in it round away a micro-batch's gradient "
-            f"much smaller than the window's{grad_dtype}); float32 weights with "
-            "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) keep it")
+            f"much smaller than the window's{grad_dtype}); {KEEPS_IT}")

@@ -79,13 +79,14 @@ class FabricWatch(UserLoopWatch):
         return bool(run is not None and run.loop_window_ends)
 
     def _start(self, engine: Any, dataloader: Any) -> None:
+        alone = isinstance(engine, OptimizerSteps)  # Fabric's own accumulation, no engine
         behaviour = self._installed()
         if behaviour is None:
-            if isinstance(engine, OptimizerSteps):
+            if alone:
                 engine.stop_counting()
             return
         warning = None
-        if isinstance(engine, OptimizerSteps):
+        if alone:
             behaviour, gas = without_an_engine(behaviour), 1
         else:
             behaviour, gas, warning = self._on_deepspeed(engine, behaviour)

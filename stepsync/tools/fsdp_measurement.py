@@ -19,8 +19,9 @@ from typing import Any, Dict, List, Optional
 from ..core.errors import ConfigInputError
 from ..core.frameworks import Framework
 from ..core.versions import installed_version
+from ..fsdp.precision import KEEPS_IT
 from .tiny_run import cpu_distributed_env
-from .verify_ranks import LAUNCHER_VARIABLES
+from .verify_ranks import as_a_process_of_its_own
 
 SMALL = 2.0 ** -10
 DTYPES = ("float32", "bfloat16", "float16")
@@ -122,8 +123,7 @@ def explain_fsdp(verdict: FsdpVerdict) -> List[str]:
     lost = [i + 2 for i, kept in enumerate(verdict.small_kept) if abs(kept - 1) >= 0.1]
     if lost:
         lines.append(f"a gradient 2**-10 of the window's, from micro-batch(es) {lost}: rounded away (the window's "
-                     "gradients are summed in a 16-bit float; float32 weights with MixedPrecisionPolicy("
-                     "param_dtype=torch.bfloat16, reduce_dtype=torch.float32) keep it)")
+                     f"gradients are summed in a 16-bit float; {KEEPS_IT})")
     else:
         lines.append("a gradient 2**-10 of the window's, from each later micro-batch: kept")
     if verdict.right:
@@ -167,8 +167,7 @@ def verify_sharded_command(framework: Framework, args: Any) -> int:
         print(f"stepsync: error: stepsync verify --framework {framework.key} runs FSDP2: it needs torch",
               file=sys.stderr)
         return 2
-    for name in LAUNCHER_VARIABLES:
-        os.environ.pop(name, None)  # one process of its own: never a launcher's rank or an inherited port
+    as_a_process_of_its_own()
     verdict = measure_fsdp_window(args.gas, args.weights_dtype or "float32", args.param_dtype, args.reduce_dtype,
                                   args.grad_dtype)
     print(json.dumps(verdict.to_dict()) if args.json else "\n".join(explain_fsdp(verdict)))

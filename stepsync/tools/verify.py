@@ -41,8 +41,7 @@ from .measurement import (
     window_shares,
     wrong_micro_batches,
 )
-from .tiny_run import cpu_distributed_env
-from .verify_ranks import LAUNCHER_VARIABLES, on_ranks
+from .verify_ranks import as_a_process_of_its_own, on_ranks
 
 __all__ = ["LOSS_SCALE", "Verdict", "explain", "measure_window", "measuring_config", "verify", "verify_command"]
 
@@ -84,9 +83,7 @@ def verify(config: Dict[str, Any], g: int, framework: str = "deepspeed", world_s
 def _quietly(measure: Callable[[], Any], verbose: bool = False) -> Any:
     """Run ``measure`` as one process of its own, DeepSpeed's output (stdout and stderr, its prints and logs) to a
     file, or to stderr where ``verbose``: the verdict (and --json) is all stdout holds."""
-    for name in LAUNCHER_VARIABLES:
-        os.environ.pop(name, None)  # one process of its own: never a launcher's rank or an inherited port
-    cpu_distributed_env()
+    as_a_process_of_its_own()
     quiet = logging.getLogger("DeepSpeed")
     level = quiet.level
     if not verbose:

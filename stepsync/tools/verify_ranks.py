@@ -57,6 +57,14 @@ LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "M
 RANKS_TIMEOUT = 600
 
 
+def as_a_process_of_its_own() -> None:
+    """This process measures alone: a launcher's rank or an inherited port are dropped, and its own rendezvous
+    set (a parent's would be joined)."""
+    for name in LAUNCHER_VARIABLES:
+        os.environ.pop(name, None)
+    cpu_distributed_env()
+
+
 def rank_main(folder: str, g: int, framework: str) -> None:
     """One rank of :func:`on_ranks`: its verdict, or DeepSpeed's refusal, to ``folder/rank-R.json``; a rank that
     fails exits 1, so that torchrun ends the others rather than leave them waiting."""
