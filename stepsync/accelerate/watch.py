@@ -26,6 +26,7 @@ from ..core.events import Cause
 from ..core.frameworks import ACCELERATE_LOOP
 from ..core.plan import RunPlan
 from ..core.tokens import Normalisation
+from ..core.tracking import finding_metrics
 from ..core.versions import EngineBoundary
 from ..engine.deepspeed import engine_facts, is_engine, zero_loss
 from ..engine.faults import guarded
@@ -33,6 +34,7 @@ from ..engine.lifecycle import RunStart, close_run, say_the_clip
 from ..engine.loop_objects import accelerators_sharding_dropped, distributed_type, length_of
 from ..engine.policies import loop_action_for
 from ..engine.run import Run
+from ..engine.trackers import AcceleratorTrackers
 from ..engine.watch import UserLoopWatch, accumulation_given
 from .checkpoints import LoopCheckpoints, loop_layout
 
@@ -119,6 +121,7 @@ class LoopWatch(UserLoopWatch):
                                 plan=plan, action=loop_action_for(self.policy), asked_g=g_asked(asked_g, in_force),
                                 loss_normalisation=self.loss_normalisation,
                                 layout=loop_layout(engine, dataloader, g, n))
+        self._tracking.trackers[:] = [AcceleratorTrackers(accelerator)]
         # The forecast waits for the first micro-batch: a load_state before it changes where the loop starts.
         self._open(self._opened, training_starts=False)
         self._wrap()
@@ -230,7 +233,7 @@ class LoopWatch(UserLoopWatch):
             self._since_loop_update += 1
         run.after_micro_batch(updated, self.loop_steps)
         if updated and run.observing and getattr(self.accelerator, "trackers", None):
-            self._observe("accelerator.log", self._log_metrics, run.engine_steps_seen, run.updates.metrics())
+            self._observe("accelerator.log", self._log_metrics, run.engine_steps_seen, finding_metrics(run.report))
         # The dataloader says its end as it yields its last batch: a loop that gathers its window first (accelerate's
         # autoregressive example) runs several micro-batches after that. The epoch ends at the last of them.
         if self._dataloader_ended and (run.n is None or run.position >= run.n):
@@ -271,6 +274,7 @@ class LoopWatch(UserLoopWatch):
         loop, engine, drift = ACCELERATE_LOOP.metric_keys
         self.accelerator.log({loop: self.loop_steps, engine: engine_steps, drift: self.loop_steps - engine_steps,
                               **updates}, step=self.loop_steps)
+        self._tracking.catch_up()
 
     # ------------------------------------------------------------ end
 

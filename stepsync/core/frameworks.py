@@ -405,5 +405,3 @@ def framework_called(key: str) -> Framework:
         if framework.key == key:
             return framework
     raise StepSyncConfigError(unsupported("--framework", key, [f.key for f in known_frameworks()]))
-SKIPPED_METRIC = "stepsync/updates_skipped"  # beside each framework's metrics, once the engine has skipped one
-NON_FINITE_METRIC = "stepsync/non_finite_at_update"  # the update after which the weights were not finite

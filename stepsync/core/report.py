@@ -129,6 +129,10 @@ class SyncReport(Counted):
             no output embeddings to read it at.
         updater: who makes the updates ``engine_steps`` counts: ``"engine"`` (DeepSpeed's ``global_steps``) or
             ``"optimizer"`` (its steps, in a run without DeepSpeed).
+        clip_in_force: the clip norm the engine applies, where it is not the one the framework asked (0: none);
+            None where they agree or nothing was asked.
+        g_in_force: the micro-batches per update the engine applies, where a framework or the loop asked another
+            G; None where they agree.
     """
 
     policy: Policy
@@ -169,6 +173,8 @@ class SyncReport(Counted):
     windows_dropped: int = 0
     token_weighting: Optional[TokenWeighting] = None
     updater: str = "engine"
+    clip_in_force: Optional[float] = None
+    g_in_force: Optional[int] = None
 
     @property
     def counter(self) -> str:

@@ -305,7 +305,7 @@ class EngineWatch(UserLoopWatch):
 def watch(engine: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any = None,
           num_epochs: Optional[float] = None, console: Any = None,
           loss_normalisation: Union[str, Normalisation] = Normalisation.TOKEN_MEAN,
-          gradient_accumulation_steps: Optional[int] = None) -> EngineWatch:
+          gradient_accumulation_steps: Optional[int] = None, tracker: Any = None) -> EngineWatch:
     """Watch a loop that drives DeepSpeed's engine itself; call it after ``deepspeed.initialize(...)``.
 
     Args:
@@ -325,6 +325,9 @@ def watch(engine: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any
             ``backward()`` (a shorter window, at an epoch's end, is closed at its ``step()``), which saves ZeRO 1
             and 2 the closing ``backward()`` of a zero loss. Leave it out for a loop that steps after every
             ``backward()``: the engine's G is its config's.
+        tracker: where the run's metrics, its forecast and summary (as text) and an alert at each finding go: a
+            ``SummaryWriter``, ``mlflow`` (on its active run) or ``(MlflowClient, run_id)``, a wandb run, a callable
+            ``tracker(values, step)``, or a list of them (``docs/trackers.md``).
 
     Raises:
         StepSyncConfigError: (a ``ValueError``) an unknown or refused policy, or not an engine.
@@ -341,4 +344,5 @@ def watch(engine: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any
     """
     backwards = None if gradient_accumulation_steps is None else accumulation_given(
         gradient_accumulation_steps, "the backward() calls your loop makes before each step(), or leave it out")
-    return EngineWatch(engine, policy, dataloader, num_epochs, console, loss_normalisation, backwards)
+    return EngineWatch(engine, policy, dataloader, num_epochs, console, loss_normalisation, backwards)._track_into(
+        tracker)

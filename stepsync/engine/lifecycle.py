@@ -144,6 +144,7 @@ def open_run(start: RunStart, built: Optional[Callable[[Run], None]] = None,
     run.token_weights = watch_tokens(run, start.loss_normalisation, start.loss_fix or start.framework.loss_fix)
     for where, asked, fix in start.asked_g:
         if asked != in_force:
+            run.report.g_in_force = in_force
             run.object_to(f"{where} asks gradient_accumulation_steps={asked} but the engine accumulates "
                                  f"{in_force} micro-batches per update; {fix}", "before the first micro-batch")
     _count_from(run, start.trainer_steps)
@@ -296,6 +297,7 @@ def say_the_clip(run: Run, asked: Optional[float], fix: str, where: str) -> None
             + (f"clips at {applied:g}" if applied else "does not clip at all")
             + f" (the DeepSpeed config's gradient_clipping, or this DeepSpeed release's default where the config "
               f"has none, wins); {fix}")
+    run.report.clip_in_force = applied
     run.object_to(text, where)
 
 

@@ -1,13 +1,16 @@
 """What a run says: notes, warnings and errors (into its report, and through the ``stepsync`` logger where the
-framework's own logs go), the forecast at the start and the summary at the end."""
+framework's own logs go), the forecast at the start and the summary at the end (also as text in the run's trackers),
+and an alert in them at each kind of finding policy 'raise' stops on."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
 
 from ..core.prediction import Forecast
+from ..core.tracking import FORECAST_TEXT, SUMMARY_TEXT, forecast_text, run_metrics, summary_text
 from ..display import render
 from ..display.output import logger
+from .trackers import Tracking
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..core.events import DriftEvent
@@ -15,14 +18,21 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class Voice:
-    """The run's voice: every note, warning and error goes into the report, and is said where this rank speaks."""
+    """The run's voice: every note, warning and error goes into the report, and is said where this rank speaks.
 
-    __slots__ = ("report", "is_main", "output")
+    Attributes:
+        tracking: the run's trackers (:mod:`stepsync.engine.trackers`; none unless its adapter found some).
+        counts: the framework's count and the updates made, as the run last read them (set by the run).
+    """
+
+    __slots__ = ("report", "is_main", "output", "tracking", "counts")
 
     def __init__(self, report: SyncReport, is_main: bool, output: Any) -> None:
         self.report = report
         self.is_main = is_main
         self.output = output
+        self.tracking = Tracking()
+        self.counts: Optional[Callable[[], Tuple[int, int]]] = None  # both counts as the run last read them
 
     def note(self, text: str) -> None:
         self.report.notes.append(text)
@@ -54,11 +64,17 @@ class Voice:
         self.report.notes.append(text)
         logger.error("%s", text)
 
+    def finding(self, kind: str, text: str) -> None:
+        """A finding policy 'raise' stops on, said as a warning and alerted (once per ``kind``)."""
+        self.warn(text)
+        self.alert(kind, text)
+
     def drift(self, event: DriftEvent) -> None:
         """A change of the drift with a cause not said before: a warning and its panel where this rank speaks."""
         if self.is_main:
             logger.warning("%s", event.message())
             self.output.show(render.drift_panel, event, logging.WARNING)
+            self.alert(f"drift ({event.cause.value})", event.message())
 
     def drift_went_on(self, epoch: int, event: DriftEvent, changes: int) -> None:
         """An epoch in which a drift said once changed again: its sum, once an epoch."""
@@ -82,6 +98,8 @@ class Voice:
         if self.is_main:
             logger.info("forecast: %s", predicted.verdict())
             self.output.show(render.forecast_view, predicted, logging.INFO)
+            if self.tracking:
+                self.tracking.text(FORECAST_TEXT, forecast_text(predicted), predicted.plan.trainer_steps_at_start)
         early = predicted.ends_early()
         if early:
             self.warn(early)
@@ -93,3 +111,21 @@ class Voice:
             logger.info("%s counted %d updates, %s made %s (drift %+d)", report.counter,
                         report.trainer_steps, report.updater, report.made(), report.drift)
             self.output.show(render.summary_view, report, logging.INFO)
+            if self.tracking:
+                if self.tracking.sends_last_metrics:
+                    self.tracking.metrics(run_metrics(report, report.trainer_steps), report.trainer_steps)
+                self.tracking.text(SUMMARY_TEXT, summary_text(report), report.trainer_steps)
+
+    def alert(self, kind: str, text: str) -> None:
+        """A finding policy 'raise' stops on, in trackers that alert: once per ``kind``, where this rank speaks;
+        the metrics with it where they go from here, at both counts as the run last read them."""
+        if self.is_main and self.tracking:
+            self.tracking.alert(kind, text)
+            if self.counts is not None:
+                self.track(*self.counts())
+
+    def track(self, counted: int, made: Optional[int] = None) -> None:
+        """The run's metrics, at the framework's count ``counted`` (``made``: the updates made, default the
+        report's), where they go to the trackers from here."""
+        if self.is_main and self.tracking.sends_metrics and self.tracking:
+            self.tracking.metrics(run_metrics(self.report, counted, made), counted)

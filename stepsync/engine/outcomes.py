@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from ..core.events import DroppedWindow, LostGradients, NonFiniteUpdate, RanksApart, SkippedUpdate, UnsyncedUpdate
-from ..core.frameworks import NON_FINITE_METRIC, SKIPPED_METRIC
 from .deepspeed import EngineFacts, FiniteWeights, WeightFingerprint, loss_scale
 from .messages import Voice
 
@@ -59,10 +58,11 @@ class Updates:
                            self.facts.data_parallel_size)
         self.report.ranks_apart = apart
         if run.observing:
-            run.observe(self.voice.warn, f"{apart}: a fault on one rank (a gradient left out of the average across "
-                                         "ranks, weights restored or written on one rank only, a hardware error) "
-                                         "trains each rank apart from here; resume from a checkpoint saved before "
-                                         "they parted (policy 'raise' stops every rank where it is found)")
+            run.observe(self.voice.finding, "ranks apart",
+                        f"{apart}: a fault on one rank (a gradient left out of the average across ranks, weights "
+                        "restored or written on one rank only, a hardware error) trains each rank apart from here; "
+                        "resume from a checkpoint saved before they parted (policy 'raise' stops every rank where it "
+                        "is found)")
         run.action.on_ranks_apart(apart)
 
     def took_a_skip(self, run: Run) -> None:
@@ -112,10 +112,10 @@ class Updates:
         self.report.took_lost_gradients(lost)
         if run.observing and self.report.updates_losing == 1:
             sync = "" if run.action.sets_the_boundary() else ", or use policy='sync'"
-            run.observe(self.voice.warn, f"{lost}; call engine.set_gradient_accumulation_boundary(i == last) before "
-                                         "each backward() (or set \"managed_gradient_accumulation\": false in the "
-                                         f"DeepSpeed config, where your DeepSpeed has it){sync}; later updates that "
-                                         "lose micro-batches are counted in the report")
+            run.observe(self.voice.finding, "micro-batches lost",
+                        f"{lost}; call engine.set_gradient_accumulation_boundary(i == last) before each backward() "
+                        "(or set \"managed_gradient_accumulation\": false in the DeepSpeed config, where your "
+                        f"DeepSpeed has it){sync}; later updates that lose micro-batches are counted in the report")
         run.action.on_lost_gradients(lost)
 
     def took_an_unsynced_update(self, run: Run, found: UnsyncedUpdate) -> None:
@@ -123,8 +123,8 @@ class Updates:
         said at once (the summary counts the rest), and given to the policy before the update is made."""
         self.report.took_an_unsynced_update(found)
         if run.observing and self.report.updates_unsynced == 1:
-            run.observe(self.voice.warn, f"{found}; or use policy='sync'; later updates like it are counted in the "
-                                         "report")
+            run.observe(self.voice.finding, "gradient sync",
+                        f"{found}; or use policy='sync'; later updates like it are counted in the report")
         run.action.on_unsynced_update(found)
 
     def took_a_dropped_window(self, run: Run, dropped: DroppedWindow) -> None:
@@ -133,15 +133,6 @@ class Updates:
         self.report.took_a_dropped_window(dropped)
         if run.observing and self.report.windows_dropped == 1:
             run.observe(self.voice.warn, f"{dropped}; later windows like it are counted in the report")
-
-    def metrics(self) -> dict:
-        """What the updates did, beside each framework's counts: once there is something to say."""
-        metrics = {}
-        if self.skipped_seen:
-            metrics[SKIPPED_METRIC] = self.skipped_seen
-        if self.report.non_finite is not None:
-            metrics[NON_FINITE_METRIC] = self.report.non_finite.engine_steps
-        return metrics
 
     def say_skipped(self, skip: SkippedUpdate) -> None:
         """The first skipped update of each kind, said at once; the summary counts the rest."""
@@ -155,14 +146,16 @@ class Updates:
         schedule = (f"{framework.name} steps the LR scheduler on its own count, so the LR moved for it all the same "
                     "(stepsync cannot take a scheduler's step back)" if framework.schedules_on_its_count else
                     "the LR schedule does not move for it")
-        self.voice.warn(f"the engine skipped {skip}. engine.global_steps counts it all the same, and {schedule}; find "
-                        "the micro-batch whose loss is not finite in that window (policy 'raise' stops at the first "
-                        "such update); later skips are counted in the report")
+        self.voice.finding("skipped update",
+                           f"the engine skipped {skip}. engine.global_steps counts it all the same, and {schedule}; "
+                           "find the micro-batch whose loss is not finite in that window (policy 'raise' stops at the "
+                           "first such update); later skips are counted in the report")
 
     def say_non_finite(self, update: NonFiniteUpdate) -> None:
         """Said once: the weights cannot become finite again, so nothing after it is said."""
         who = "The engine" if self.facts.deepspeed else "Your optimizer"
-        self.voice.warn(f"{update}. {who} counts this and every later update as made, and the LR schedule moves "
-                        "on, but they train nothing: find the micro-batch whose loss is not finite (policy 'raise' "
-                        "stops at this update)")
+        self.voice.finding("weights not finite",
+                           f"{update}. {who} counts this and every later update as made, and the LR schedule moves "
+                           "on, but they train nothing: find the micro-batch whose loss is not finite (policy 'raise' "
+                           "stops at this update)")
 

@@ -7,7 +7,7 @@ The run owns its report, its output and its policy's action; it never calls the 
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 from ..core.choices import Policy
 from ..core.errors import StepSyncConfigError, StepSyncError
@@ -96,6 +96,7 @@ class Run:
         self.engine_steps_seen = engine.global_steps
         self.counts_skips = self.facts.counts_skips
         self.voice = Voice(report, is_main, output)
+        self.voice.counts = self.counts_seen
         self.updates = Updates(engine, self.facts, report, self.voice)
         self.engine_at_last_update = self.engine_steps_seen
         self.trainer_steps_seen = 0
@@ -188,6 +189,8 @@ class Run:
         self.trainer_steps_seen = trainer_steps
         if self.observing:
             self.observe(self._close_epoch, trainer_steps)
+            if self.voice.tracking.sends_metrics:
+                self.observe(self.voice.track, trainer_steps, self.engine_steps_seen)
         return steering
 
     def finish(self, trainer_steps: int) -> bool:
@@ -235,9 +238,14 @@ class Run:
         """What stepsync finds wrong, decided in one place, worded one way: under a policy that stops, ``refusal``
         raised with where it stops (``stops_at``: "before the first micro-batch", "at this save"); else warned (an
         ``error`` where every rank must hear it). Every rank reads the same, so every rank decides alike."""
+        self.voice.alert(text, text)
         if self.policy.stops:
             raise refusal(f"{text}; policy '{self.policy.value}' stops {stops_at}")
         (self.voice.error if error else self.voice.warn)(text)
+
+    def counts_seen(self) -> Tuple[int, int]:
+        """The framework's count and the updates made, as the run last read them."""
+        return self.trainer_steps_seen, self.engine_steps_seen
 
     @property
     def g_in_force(self) -> int:

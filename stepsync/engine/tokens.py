@@ -191,6 +191,8 @@ class TokenWeights:
         if not pending:
             self.remove()
         if wrong and self.run.policy.stops:
+            if self.named is not None and not self.named.as_expected:
+                self.run.voice.alert("loss normalisation", f"loss normalisation: {self.named.message()}")
             self.remove()
             self.run.stopped = True
             raise LossNormalisationError(self.named if self.named is not None and not self.named.as_expected
@@ -212,7 +214,7 @@ class TokenWeights:
         if not named.as_expected and not run.policy.stops:  # as expected, it is in the report alone
             repair = (f"; policy '{run.policy.value}' cannot repair it from outside (a window's token count is "
                       "known only at its last micro-batch)") if run.policy.interferes else ""
-            run.voice.warn(f"loss normalisation: {named.message()}{repair}")
+            run.voice.finding("loss normalisation", f"loss normalisation: {named.message()}{repair}")
         return named
 
     def _agree(self, pending: bool, wrong: bool) -> tuple:

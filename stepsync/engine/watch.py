@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import logging
 import os
-from typing import Any, Callable, ClassVar, Optional, TypeVar, Union
+from typing import Any, Callable, ClassVar, Dict, Optional, TypeVar, Union
 
 from ..core.choices import Policy
 from ..core.errors import StepSyncConfigError, UnsupportedVersion
@@ -22,6 +22,7 @@ from ..core.record import ResumeRecord
 from ..core.releases import installed_behaviour
 from ..core.report import SyncReport
 from ..core.tokens import Normalisation
+from ..core.tracking import run_metrics
 from ..core.versions import StackBehaviour
 from ..display.output import ConsoleOutput
 from .faults import Adapter, guarded
@@ -29,6 +30,7 @@ from .lifecycle import RunStart, close_run, idle_report, open_run, start_trainin
 from .loop_objects import InstancePatches
 from .resume import LoopSaves
 from .run import Run
+from .trackers import Tracking, trackers_of
 
 Watch = TypeVar("Watch", bound="UserLoopWatch")
 
@@ -116,6 +118,7 @@ class FrameworkWatch(Adapter):
         self.output = ConsoleOutput(console)
         self._run: Optional[Run] = None
         self._patches = InstancePatches()
+        self._tracking = Tracking()
         self._idle()
 
     @property
@@ -143,6 +146,7 @@ class FrameworkWatch(Adapter):
     def _keep(self, run: Run) -> None:
         """The run exists: a failure from now on switches it off, and the report is its own."""
         self._run, self.report = run, run.report
+        run.voice.tracking = self._tracking
 
     def _call_before(self, owner: Any, name: str, hook: Callable[[], None]) -> None:
         """``owner.name``, on this instance, calls ``hook()`` first; given back at close."""
@@ -219,6 +223,21 @@ class UserLoopWatch(FrameworkWatch):
         super()._watch(policy, console, loss_normalisation)
         self.loop_steps = 0
         self._opened = None
+
+    def _track_into(self: Watch, tracker: Any) -> Watch:
+        """The trackers the user handed the watch: the run's metrics go to them from the run (a loop with no
+        logging steps stepsync can see)."""
+        self._tracking.trackers[:] = trackers_of(tracker)
+        self._tracking.sends_metrics = self._tracking.sends_last_metrics = True
+        return self
+
+    def metrics(self) -> Dict[str, float]:
+        """stepsync's metrics now, by name (``docs/trackers.md``): your loop's count, the updates made, the drift
+        and each finding, to merge into your own logging calls; empty while no run is watched."""
+        run = self._run
+        if run is None:
+            return {}
+        return run_metrics(self.report, self.loop_steps, run.engine_steps_seen)
 
     def close(self) -> SyncReport:
         """Give the wrapped methods and the engine's boundary back; the report is final. Closing twice changes

@@ -359,7 +359,8 @@ class ReplicatedWatch(ShardedWatch):
 def watch(model: Any, optimizer: Any = None, policy: Union[str, Policy] = Policy.WARN, dataloader: Any = None,
           num_epochs: Optional[float] = None, gradient_accumulation_steps: Optional[int] = None,
           console: Any = None,
-          loss_normalisation: Union[str, Normalisation] = Normalisation.TOKEN_MEAN) -> ShardedWatch:
+          loss_normalisation: Union[str, Normalisation] = Normalisation.TOKEN_MEAN,
+          tracker: Any = None) -> ShardedWatch:
     """Watch a loop whose model is sharded with FSDP2 or replicated with DDP; call it after ``fully_shard`` (or
     ``DistributedDataParallel(...)``) and the optimizer's creation.
 
@@ -378,6 +379,8 @@ def watch(model: Any, optimizer: Any = None, policy: Union[str, Policy] = Policy
         console: as for :class:`stepsync.StepSyncCallback`.
         loss_normalisation: the rule each window's loss is meant to follow (default ``"token_mean"``), as for
             :class:`stepsync.StepSyncCallback`.
+        tracker: where the run's metrics, its forecast and summary (as text) and an alert at each finding go, as
+            for :func:`stepsync.deepspeed.watch.watch` (``docs/trackers.md``).
 
     Raises:
         StepSyncConfigError: (a ``ValueError``) an unknown or refused policy, no optimizer, or G missing or below 1.
@@ -402,7 +405,8 @@ def watch(model: Any, optimizer: Any = None, policy: Union[str, Policy] = Policy
                                   "stepsync.watch(model, optimizer=optimizer, gradient_accumulation_steps=G, ...)")
     g = accumulation_given(gradient_accumulation_steps, "the micro-batches per optimizer.step() your loop means "
                            "(stepsync.watch(model, ..., gradient_accumulation_steps=G))")
-    return watch_kind(model)(model, optimizer, policy, dataloader, num_epochs, g, console, loss_normalisation)
+    return watch_kind(model)(model, optimizer, policy, dataloader, num_epochs, g, console,
+                             loss_normalisation)._track_into(tracker)
 
 
 def watch_kind(model: Any) -> Type[ShardedWatch]:

@@ -15,6 +15,7 @@ from ..core.plan import RunPlan
 from ..core.record import ResumeRecord
 from ..core.relayout import position, replayed_epoch_shift
 from ..core.tokens import Normalisation
+from ..core.tracking import finding_metrics
 from ..core.versions import StackBehaviour
 from ..engine.faults import guarded
 from ..engine.lifecycle import RunStart, close_run
@@ -22,6 +23,7 @@ from ..engine.optimizer import count_optimizer_steps
 from ..engine.policies import WatchOnly, action_for, last_whole_window
 from ..engine.resume import record_of
 from ..engine.run import Run
+from ..engine.trackers import LightningLoggers
 from ..engine.watch import FrameworkWatch
 from . import lightning as lightning_facts
 
@@ -144,6 +146,8 @@ class StepSyncCallback(Callback, FrameworkWatch):
             stood = position(record.layout, record.next_epoch, record.next_skip)
             shift = replayed_epoch_shift(record.layout, layout, stood, epoch, batch_idx, self._batches or n,
                                          trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None)
+        self._tracking.trackers[:] = [LightningLoggers(trainer)]
+        self._tracking.sends_last_metrics = True
         self._open(RunStart(LIGHTNING, self.policy, engine, behaviour, self._batches or n, g, self.output,
                             is_main=trainer.is_global_zero, trainer_steps=trainer.global_step,
                             plan=plan, start_epoch=epoch, skip=batch_idx, action=action,
@@ -195,7 +199,7 @@ class StepSyncCallback(Callback, FrameworkWatch):
         run.after_micro_batch(updated, count)  # no steering reaches Lightning's loop: it is set before the epoch
         if updated and run.observing:
             self._observe("on_train_batch_end", lightning_facts.add_metrics, pl_module, count, run.engine_steps_seen,
-                          run.updates.metrics())
+                          finding_metrics(run.report))
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         self._epoch_ends(trainer)

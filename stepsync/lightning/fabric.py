@@ -34,6 +34,7 @@ from ..engine.loop_objects import length_of
 from ..engine.optimizer import OptimizerSteps, count_optimizer_steps
 from ..engine.policies import loop_action_for
 from ..engine.run import Run
+from ..engine.trackers import LightningLoggers
 from ..engine.watch import UserLoopWatch
 from . import lightning as lightning_facts
 
@@ -90,6 +91,7 @@ class FabricWatch(UserLoopWatch):
             behaviour, gas = without_an_engine(behaviour), 1
         else:
             behaviour, gas, warning = self._on_deepspeed(engine, behaviour)
+        self._tracking.trackers[:] = [LightningLoggers(self.fabric)]
         run = self._open(RunStart(FABRIC_LOOP, self.policy, engine, behaviour, length_of(dataloader), gas,
                                   self.output, is_main=bool(getattr(self.fabric, "is_global_zero", True)),
                                   action=loop_action_for(self.policy), loss_normalisation=self.loss_normalisation))

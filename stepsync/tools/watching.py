@@ -19,7 +19,7 @@ def watch(loop: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any =
           num_epochs: Optional[float] = None, console: Any = None,
           gradient_accumulation_steps: Optional[int] = None,
           loss_normalisation: Union[str, Normalisation] = Normalisation.TOKEN_MEAN,
-          optimizer: Any = None) -> Union[LoopWatch, EngineWatch, ShardedWatch]:
+          optimizer: Any = None, tracker: Any = None) -> Union[LoopWatch, EngineWatch, ShardedWatch]:
     """Watch a custom training loop: give it the loop's ``accelerate.Accelerator`` (after
     ``accelerator.prepare(...)``), the engine ``deepspeed.initialize(...)`` returned for a loop that drives the engine
     itself, or the model ``fully_shard`` sharded (FSDP2) or DDP wraps, with the ``optimizer`` its loop steps.
@@ -38,6 +38,10 @@ def watch(loop: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any =
             (default), ``"micro_batch_mean"`` or ``"sequence_mean"`` where that is deliberate; as for
             :class:`stepsync.StepSyncCallback`.
         optimizer: an FSDP2 or DDP loop's: the torch optimizer it steps.
+        tracker: an engine's or an FSDP2 or DDP loop's: where the run's metrics, its forecast and summary and an
+            alert at each finding go (a ``SummaryWriter``, ``mlflow``, ``(MlflowClient, run_id)``, a wandb run, a
+            callable, or a list of them; ``docs/trackers.md``). An accelerate loop's go to the trackers its
+            Accelerator initialised.
 
     Returns the watch (:class:`stepsync.LoopWatch`, :class:`stepsync.EngineWatch` for an engine, or
     :class:`stepsync.ShardedWatch` for an FSDP2 or DDP model): a context manager; its ``report`` is the run's. Each
@@ -46,11 +50,16 @@ def watch(loop: Any, policy: Union[str, Policy] = Policy.WARN, dataloader: Any =
     """
     if (is_sharded(loop) or is_replicated(loop)) and not is_engine(loop):
         return watch_sharded(loop, optimizer, policy, dataloader, num_epochs, gradient_accumulation_steps, console,
-                             loss_normalisation)
+                             loss_normalisation, tracker)
     if optimizer is not None:
         raise StepSyncConfigError("optimizer= is for a loop whose model is FSDP2's or DDP's: an accelerate loop's "
                                   "and a DeepSpeed engine's optimizer is their own; leave it out")
     if not is_engine(loop):
+        if tracker is not None:
+            raise StepSyncConfigError("tracker= is for a loop that drives an engine or an FSDP2 or DDP model itself: "
+                                      "an accelerate loop's findings go to the trackers its Accelerator initialised "
+                                      "(accelerator.init_trackers); leave tracker= out")
         return watch_accelerator(loop, policy, dataloader, num_epochs, console, gradient_accumulation_steps,
                                  loss_normalisation)
-    return watch_engine(loop, policy, dataloader, num_epochs, console, loss_normalisation, gradient_accumulation_steps)
+    return watch_engine(loop, policy, dataloader, num_epochs, console, loss_normalisation, gradient_accumulation_steps,
+                        tracker)

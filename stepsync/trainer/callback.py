@@ -13,6 +13,7 @@ from ..core.frameworks import TRAINER
 from ..core.record import CALLBACK_NAME
 from ..core.report import SyncReport
 from ..core.tokens import Normalisation
+from ..core.tracking import finding_metrics
 from ..core.versions import EngineBoundary, without_an_engine
 from ..display.output import logger
 from ..engine.deepspeed import op_builds_of, starts_on_a_cpu
@@ -120,7 +121,6 @@ class StepSyncCallback(*_CALLBACK_BASES, FrameworkWatch):  # type: ignore[misc] 
         self._state: Any = None
         self._trainer: Any = None
         self._losses: Optional[UnappliedLosses] = None  # realign's: the losses of micro-batches not yet applied
-        self._extra_metrics: Optional[dict] = None
 
     @property
     def report(self) -> SyncReport:
@@ -175,6 +175,7 @@ class StepSyncCallback(*_CALLBACK_BASES, FrameworkWatch):  # type: ignore[misc] 
         if not deepspeed:
             behaviour = without_an_engine(behaviour)
         before = (state.global_step, state.max_steps)
+        self._tracking.trackers[:] = [trainer_facts.ReportingCallbacks(trainer)]
         failure = None
         try:
             start_run(trainer, args, state, engine, train_dataloader, behaviour, self.policy, self.output,
@@ -184,10 +185,6 @@ class StepSyncCallback(*_CALLBACK_BASES, FrameworkWatch):  # type: ignore[misc] 
         except Exception as exc:
             failure = exc
         self._agree_on_the_start(args, state, before, failure)
-        shift = self.report.resume_shift
-        self._extra_metrics = None if shift is None or shift.exact else {
-            "stepsync/samples_skipped": sum(shift.skipped.values()),
-            "stepsync/samples_repeated": sum(shift.repeated.values())}
         trainer_facts.run_after_the_flow_callback(trainer, self)
         run = self._run
         if run is not None and run.policy.follows_the_engine and run.facts.deepspeed and \
@@ -249,8 +246,8 @@ class StepSyncCallback(*_CALLBACK_BASES, FrameworkWatch):  # type: ignore[misc] 
         if run is None or logs is None or not run.observing:
             return None
         try:  # guarded here, not by guarded(): one call less
-            extra = {**(self._extra_metrics or {}), **run.updates.metrics()}
-            trainer_facts.add_metrics(state, logs, run.engine_steps_seen, extra)
+            trainer_facts.add_metrics(state, logs, run.engine_steps_seen, finding_metrics(run.report))
+            self._tracking.catch_up()
         except Exception as exc:
             return self._failed("on_log", exc, False)
         return None

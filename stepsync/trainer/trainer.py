@@ -18,6 +18,7 @@ from ..engine.loop_objects import accelerators_sharding_dropped
 from ..engine.resume import record_of
 from ..engine.run import Run
 from ..engine.steering import Steering
+from ..engine.trackers import MLflowRun, OpenedBy, TensorBoardWriter, Tracker, WandbRun
 
 _MAX_FRAMES = 12  # Trainer -> CallbackHandler.on_x -> call_event -> our hook, plus subclasses' overrides
 
@@ -209,6 +210,29 @@ def asked_clip(args: Any) -> Optional[float]:
     """The clip norm the user asked of the Trainer (``max_grad_norm``; 0 or None: no clipping)."""
     norm = getattr(args, "max_grad_norm", None)
     return float(norm) if isinstance(norm, (int, float)) else None
+
+
+class ReportingCallbacks(OpenedBy):
+    """The trackers the Trainer's ``report_to`` callbacks opened: the forecast and the summary go to them as text,
+    alerts to W&B; the metrics go in the Trainer's logs, which they log. Each callback opens its tracker at its own
+    ``on_train_begin``, after stepsync's (which runs just after the flow callback): the forecast waits for the
+    first log."""
+
+    def __init__(self, trainer: Any) -> None:
+        super().__init__()
+        self.callbacks = trainer.callback_handler.callbacks
+
+    def opened(self) -> List[Tracker]:
+        found: List[Tracker] = []
+        for callback in self.callbacks:
+            name = type(callback).__name__
+            if name == "TensorBoardCallback" and getattr(callback, "tb_writer", None) is not None:
+                found.append(TensorBoardWriter(callback.tb_writer))
+            elif name == "MLflowCallback" and getattr(callback, "_initialized", False):
+                found.append(MLflowRun(callback._ml_flow))  # the mlflow module, on the run the callback started
+            elif name == "WandbCallback" and getattr(getattr(callback, "_wandb", None), "run", None) is not None:
+                found.append(WandbRun(callback._wandb.run))
+        return found
 
 
 def add_metrics(state: Any, logs: dict, engine_steps: int, extra: Optional[dict] = None) -> None:

@@ -70,7 +70,8 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
              nan_at: Optional[int] = None, max_norm: Optional[float] = None, code_g: Optional[int] = None,
              config_g=None, told_g: Optional[int] = None, save_to: Optional[str] = None,
              resume_from: Optional[str] = None, save_every_micro_batch: bool = False,
-             names_count_micro_batches: bool = False, evaluate_each_epoch: int = 0) -> LoopRun:
+             names_count_micro_batches: bool = False, evaluate_each_epoch: int = 0,
+             log_with: Optional[List[str]] = None, project_dir: Optional[str] = None) -> LoopRun:
     """Train the tiny model with a loop shaped like transformers' run_clm_no_trainer.py on accelerate + DeepSpeed.
 
     ``policy=None`` runs without stepsync; ``outside_accumulate`` calls ``accelerator.backward`` outside
@@ -90,6 +91,8 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
     epochs first), its count then restarting at the skip within the epoch (``overall_step += resume_step``).
     ``evaluate_each_epoch``: after every epoch, the example's evaluation: ``model.eval()`` and a forward under
     ``torch.no_grad()`` on each batch of a prepared eval dataloader of that many samples, then ``model.train()``.
+    ``log_with``: the example's ``--with_tracking``: ``Accelerator(log_with=..., project_dir=project_dir)``,
+    ``accelerator.init_trackers(...)`` after ``prepare`` (here after the watch too) and each tracker finished at the end.
     """
     cpu_distributed_env()
     import torch
@@ -108,7 +111,8 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
     config = loop_deepspeed_config(gas if config_g is None else config_g, stage, bf16)
     accelerator = Accelerator(gradient_accumulation_steps=gas if code_g is None else code_g,
                               mixed_precision="bf16" if bf16 else None,
-                              deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+                              deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), log_with=log_with,
+                              project_dir=project_dir)
     accelerator.trackers.extend(trackers)  # what init_trackers() would hold: accelerator.log() writes to them
     model = loss_alone(tiny_model(seed))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -123,6 +127,8 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
     watch = stepsync.watch(accelerator, policy, dataloader=dataloader, num_epochs=epochs, console=False,
                            gradient_accumulation_steps=told_g) if policy else None
     result = LoopRun(accelerator, engine, watch)
+    if log_with:
+        accelerator.init_trackers("clm_no_trainer", {"gradient_accumulation_steps": gas})
     completed, starting_epoch, resume_step = 0, 0, None
     if resume_from:  # run_clm_no_trainer.py's resume
         accelerator.load_state(resume_from)
@@ -187,6 +193,8 @@ def run_loop(samples: int, gas: int, epochs: int, policy: Optional[str] = "warn"
     finally:
         if watch is not None:
             watch.close()
+        for tracker in accelerator.trackers if log_with else ():  # end_training() would also end the process group
+            tracker.finish()
     return result
 
 

@@ -64,6 +64,9 @@ class StackSpec:
                 f"deepspeed=={self.deepspeed}", *self.extras, *TEST_REQUIREMENTS]
 
 
+# The trackers whose readers the tests read back what stepsync logged (tests/integration/test_trackers.py).
+TRACKERS = ("tensorboard==2.21.0", "mlflow-skinny==3.18.0", "wandb==0.31.0")
+
 # What every stack's tests need; resolved as of the stack's day like everything else.
 TEST_REQUIREMENTS = ("rich", "pytest", "hypothesis", "nbclient", "ipykernel", "setuptools<81")
 
@@ -75,7 +78,7 @@ STACKS = (
     StackSpec("aligned", "5.24.0", "1.16.0", "0.19.8", "2026-11-30", "no drift", (Case(3, 2, 2), Case(7, 3, 2)),
               extras=("ray[train]==2.60.0",)),
     StackSpec("drifting", "5.24.0", "1.7.0", "0.19.8", "2026-11-30", "Trainer ahead by up to 1 per epoch",
-              (Case(3, 2, 2), Case(7, 3, 2)), extras=("matplotlib", "trl==1.14.2", "peft==0.21.2")),
+              (Case(3, 2, 2), Case(7, 3, 2)), extras=("matplotlib", "trl==1.14.2", "peft==0.21.2", *TRACKERS)),
     StackSpec("t447", "4.47.1", "1.2.1", "0.16.2", "2025-01-15", "4.47.1 counts across epochs (max_steps=4)",
               (Case(3, 2, 2, max_steps=4), Case(7, 3, 2, max_steps=4))),
     StackSpec("t445", "4.45.2", "0.34.2", "0.15.4", "2024-10-15", "drift only when N <= G",
@@ -117,15 +120,17 @@ class LightningSpec:
     deepspeed: str
     as_of: str
     shows: str
+    extras: Tuple[str, ...] = ()
 
     def requirements(self) -> List[str]:
-        return [f"lightning=={self.lightning}", f"deepspeed=={self.deepspeed}", "numpy<2", *TEST_REQUIREMENTS]
+        return [f"lightning=={self.lightning}", f"deepspeed=={self.deepspeed}", "numpy<2", *self.extras,
+                *TEST_REQUIREMENTS]
 
 
 # Every Lightning release probed (probes/lightning.json), with a DeepSpeed that runs on CPU: the oldest one that
 # does is 0.14.5, which the releases before DeepSpeed 0.19 get.
 LIGHTNING_STACKS = (
-    LightningSpec("lightning", "2.6.6", "0.19.8", "2026-11-30", "newest Lightning"),
+    LightningSpec("lightning", "2.6.6", "0.19.8", "2026-11-30", "newest Lightning", extras=TRACKERS),
     LightningSpec("l240", "2.4.0", "0.14.5", "2024-08-15", "Lightning 2.4"),
     LightningSpec("l225", "2.2.5", "0.14.5", "2024-07-15", "Lightning 2.2"),
     LightningSpec("l209", "2.0.9", "0.14.5", "2024-07-15", "Lightning 2.0"),
@@ -156,6 +161,7 @@ def every_stack() -> tuple:
 # Which tests each stack runs (scripts/test.sh runs them): everything on the two newest; elsewhere the set that
 # shows what the stack is in the matrix for. Paths are relative to the repository.
 LIGHTNING_TESTS = ("tests/unit/test_lightning_versions.py", "tests/integration/test_lightning.py",
+                   "tests/integration/test_lightning_trackers.py",
                    "tests/integration/test_fabric.py", "tests/multiprocess/test_lightning_two_processes.py",
                    "tests/multiprocess/test_lightning_resume.py", "tests/integration/test_token_weights.py")
 FOCUSED_TESTS = ("tests/unit/test_forecast.py", "tests/unit/test_versions.py", "tests/unit/test_run.py",

@@ -55,12 +55,12 @@ def _weights(engine: Any) -> Any:
 
 def run_chat_loop(samples: int, gas: int, epochs: int, stage: int = 0, policy: Optional[str] = None,
                   save_to: Optional[str] = None, resume_from: Optional[str] = None,
-                  nan_at: Optional[int] = None, load_schedule: bool = True) -> ChatLoopRun:
+                  nan_at: Optional[int] = None, load_schedule: bool = True, tracker: Any = None) -> ChatLoopRun:
     """The loop above; ``policy``: ``stepsync.watch(engine, policy=...)`` is called on its engine first (given the
     loop's dataloader length and epochs). ``save_to``: ``engine.save_checkpoint(save_to, tag=f"epoch_{e}")`` after
     every epoch; ``resume_from``: ``engine.load_checkpoint`` of such a folder first, and training from the epoch
     after it (``load_schedule=False``: without the LR scheduler's state, which then starts over); ``nan_at``: that
-    micro-batch's loss (1-based, across epochs) is not finite."""
+    micro-batch's loss (1-based, across epochs) is not finite; ``tracker``: handed to the watch."""
     cpu_distributed_env()
     import deepspeed
     import torch
@@ -77,7 +77,7 @@ def run_chat_loop(samples: int, gas: int, epochs: int, stage: int = 0, policy: O
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
     engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                    config=config)
-    run.watch = _watched(engine, policy, dataloader=range(samples), num_epochs=epochs)
+    run.watch = _watched(engine, policy, dataloader=range(samples), num_epochs=epochs, tracker=tracker)
     rows = torch.eye(samples)
     first_epoch = 0
     if resume_from:

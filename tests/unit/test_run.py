@@ -17,6 +17,7 @@ from stepsync.core.events import Cause
 from stepsync.core.frameworks import ACCELERATE_LOOP, LIGHTNING, TRAINER
 from stepsync.core.lightning_versions import LightningStack, lightning_behaviour_of
 from stepsync.core.plan import RunPlan
+from stepsync.core.tracking import finding_metrics
 from stepsync.core.versions import Stack, behaviour_of
 from stepsync.display.output import ConsoleOutput
 from stepsync.engine.lifecycle import RunStart, close_run, open_run
@@ -413,7 +414,7 @@ def test_the_update_that_leaves_the_weights_not_finite_is_named_once(flat):
     assert (found.epoch, found.micro_batch, found.engine_steps, found.each_update) == (
         (1, 4, 2, True) if flat else (1, 8, 4, False))
     assert sum("left weights that are not finite" in note for note in run.report.notes) == 1
-    assert run.updates.metrics() == {"stepsync/non_finite_at_update": found.engine_steps}
+    assert finding_metrics(run.report) == {"stepsync/non_finite_at_update": found.engine_steps}
     assert run.report.to_dict()["non_finite"]["engine_steps"] == found.engine_steps
     assert f"made 4 (weights not finite {'from' if flat else 'by'} update {found.engine_steps})" in str(run.report)
     engine = FakeEngine(2, nan_at=2, flat=flat)
