@@ -38,14 +38,16 @@ class ShardedLoopRun:
 
 
 def run_sharded_loop(per_rank: int, g: int, epochs: int, sync_at: str = "last", policy: Optional[str] = None,
-                     wrap: str = "fsdp", save_to: Optional[str] = None, save_after: int = 0) -> ShardedLoopRun:
+                     wrap: str = "fsdp", save_to: Optional[str] = None, save_after: int = 0,
+                     tracker: Any = None) -> ShardedLoopRun:
     """The loop above on this process group (one is started for a single process), its model ``wrap``'s
     (``"fsdp"``: FSDP2, ``"ddp"``: DistributedDataParallel, ``"accelerate"``: DDP as ``Accelerator(cpu=True)``
     prepares it, with its dataloader and optimizer, the loop under ``accelerator.accumulate(model)`` as accelerate's
     examples/by_feature/gradient_accumulation.py writes it, or each backward under ``accelerator.no_sync(model)`` for
     ``sync_at="never"``); ``policy``: ``stepsync.watch(model, optimizer=...)`` under it (None: not watched);
     ``save_to``: a folder ``torch.distributed.checkpoint.save`` writes the model's and the optimizer's state into
-    after the first epoch's first ``save_after`` micro-batches, as PyTorch's DCP recipe saves."""
+    after the first epoch's first ``save_after`` micro-batches, as PyTorch's DCP recipe saves; ``tracker``: handed to
+    the watch."""
     import contextlib
 
     import torch
@@ -100,7 +102,7 @@ def run_sharded_loop(per_rank: int, g: int, epochs: int, sync_at: str = "last", 
         import stepsync
 
         run.watch = stepsync.watch(model, optimizer=optimizer, policy=policy, dataloader=loader, num_epochs=epochs,
-                                   gradient_accumulation_steps=g, console=False)
+                                   gradient_accumulation_steps=g, console=False, tracker=tracker)
 
     def weights():
         if wrap == "fsdp":

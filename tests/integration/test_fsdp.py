@@ -443,3 +443,24 @@ def test_a_dcp_checkpoint_keeps_the_record_and_a_resume_carries_the_report_on(tm
     assert said == ["checkpoint inside: it was saved inside your loop's window (1 micro-batch(es) after its last "
                     "update): a checkpoint keeps no gradient, so a resume from it loses them: save after the "
                     "optimizer.step() that closes a window (later saves like it are counted in the report)"]
+
+
+def test_a_tracker_handed_to_the_watch_gets_each_finding_each_epoch_end_and_the_texts():
+    """The sync on at each window's first micro-batch: every update leaves one unreduced (a finding of every
+    window). A callable tracker (tests/integration/test_trackers.py has the real ones) gets the forecast, the metrics
+    where the first is found, at each epoch end and at the end, and the summary; watch.metrics() is the last."""
+    from harness.fsdp_loops import run_sharded_loop
+    from stepsync.core.tracking import forecast_text
+
+    got = []
+    run = run_sharded_loop(5, 2, 2, "first", "warn", tracker=lambda values, step: got.append((step, values)))
+    report = run.watch.report
+    assert run.error is None and run.steps == 6 and report.updates_unsynced == 6
+    counts = ("stepsync/loop_steps", "stepsync/optimizer_steps", "stepsync/drift", "stepsync/updates_unsynced")
+    assert got[0] == (0, {"stepsync/forecast": forecast_text(report.forecast)})
+    assert [(step, tuple(values[key] for key in counts)) for step, values in got[1:-1]] == [
+        (0, (0, 0, 0, 1)),  # the first, found before update 1 is made
+        (3, (3, 3, 0, 3)), (6, (6, 6, 0, 6)),  # each epoch end
+        (6, (6, 6, 0, 6))]  # the end
+    assert got[-2][1] == run.watch.metrics()
+    assert got[-1] == (6, {"stepsync/summary": str(report)})
