@@ -179,8 +179,8 @@ class Framework:
         who: the same, short, for a table's header and the report's first line (``"Trainer"``).
         counter: the count itself, in drift messages (``"Trainer global_step"``).
         whose_g: where its gradient accumulation steps come from, in a message (``"the Trainer's"``).
-        metric_keys: the metrics of its count, the engine's count and the drift, in that order; empty when stepsync
-            logs none there.
+        metric_keys: the metrics of its count, the engine's count and the drift, in that order (a run without
+            DeepSpeed names the optimizer's steps instead of the engine's, :func:`stepsync.core.tracking.run_metrics`).
         refused: the policies it cannot have, each with why and what to use instead (:class:`Refusal`).
         remedy: what a user of it does about a drift; None where that depends on the installed releases (the
             Trainer's and accelerate's, :attr:`stepsync.core.versions.StackBehaviour.remedy`).
@@ -319,6 +319,7 @@ FABRIC_LOOP = Framework(
     no_length=LOOP_NO_LENGTH,
     name="your Fabric loop", who="your loop", counter="your loop's optimizer.step() count",
     whose_g="the DeepSpeed config's", key="fabric", counts_by=TrainerRule.WHOLE_WINDOWS,
+    metric_keys=("stepsync/loop_steps", "stepsync/engine_steps", "stepsync/drift"),
     plans_by=PlannedSteps.WHOLE, engine_stepped=EngineBoundary.NEVER_STEPPED,
     engine_reason="your Fabric loop steps the optimizer itself and never calls engine.step(): the engine's count "
                   "stays where it was",

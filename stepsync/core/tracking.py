@@ -77,6 +77,12 @@ def finding_metrics(report: SyncReport) -> Dict[str, float]:
     resume's shift where it is not exact, the rest once found (nothing for a clean run: the framework's logs stay
     as they were)."""
     shift, weighting = report.resume_shift, report.token_weighting
+    if not (report.engine_skipped or report.lost_micro_batches or report.updates_unsynced or report.windows_dropped
+            or report.dropped_micro_batches or report.unapplied_micro_batches or report.weight_faults
+            or report.update_flaws or report.corrections or report.non_finite or report.ranks_apart
+            or weighting is not None or report.clip_in_force is not None or report.g_in_force is not None
+            or (shift is not None and not shift.exact)):
+        return {}  # most logs of most runs: asked at every logging step, answered without building anything
     counted = (("stepsync/updates_skipped", report.engine_skipped),
                ("stepsync/micro_batches_lost", report.lost_micro_batches),
                ("stepsync/updates_unsynced", report.updates_unsynced),
@@ -106,6 +112,8 @@ def run_metrics(report: SyncReport, counted: int, made: Optional[int] = None) ->
     report's), the drift, and each finding (:func:`finding_metrics`)."""
     made = report.engine_steps if made is None else made
     counted_key, made_key, drift_key = report.framework.metric_keys
+    if report.updater == "optimizer":  # a run without DeepSpeed: the updates are its optimizer's steps
+        made_key = "stepsync/optimizer_steps"
     return {counted_key: counted, made_key: made, drift_key: counted - made, **finding_metrics(report)}
 
 

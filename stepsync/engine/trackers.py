@@ -243,7 +243,8 @@ class Tracking:
         self._each(lambda tracker: tracker.metrics(values, step), "metrics")
 
     def catch_up(self) -> None:
-        self._each(lambda tracker: tracker.catch_up(), "texts")
+        if self.trackers:
+            self._each(lambda tracker: tracker.catch_up(), "texts")
 
     def text(self, name: str, text: str, step: int) -> None:
         if name not in self.sent:

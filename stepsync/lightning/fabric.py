@@ -91,7 +91,9 @@ class FabricWatch(UserLoopWatch):
             behaviour, gas = without_an_engine(behaviour), 1
         else:
             behaviour, gas, warning = self._on_deepspeed(engine, behaviour)
+        # Fabric's loop logs when the user does: the metrics go to its loggers from here
         self._tracking.trackers[:] = [LightningLoggers(self.fabric)]
+        self._tracking.sends_metrics = self._tracking.sends_last_metrics = True
         run = self._open(RunStart(FABRIC_LOOP, self.policy, engine, behaviour, length_of(dataloader), gas,
                                   self.output, is_main=bool(getattr(self.fabric, "is_global_zero", True)),
                                   action=loop_action_for(self.policy), loss_normalisation=self.loss_normalisation))

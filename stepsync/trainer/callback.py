@@ -175,7 +175,8 @@ class StepSyncCallback(*_CALLBACK_BASES, FrameworkWatch):  # type: ignore[misc] 
         if not deepspeed:
             behaviour = without_an_engine(behaviour)
         before = (state.global_step, state.max_steps)
-        self._tracking.trackers[:] = [trainer_facts.ReportingCallbacks(trainer)]
+        reporting = trainer_facts.ReportingCallbacks(trainer)
+        self._tracking.trackers[:] = [reporting] if reporting.callbacks else []
         failure = None
         try:
             start_run(trainer, args, state, engine, train_dataloader, behaviour, self.policy, self.output,

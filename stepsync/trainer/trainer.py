@@ -212,6 +212,9 @@ def asked_clip(args: Any) -> Optional[float]:
     return float(norm) if isinstance(norm, (int, float)) else None
 
 
+REPORTING = ("TensorBoardCallback", "MLflowCallback", "WandbCallback")  # report_to's callbacks stepsync writes to
+
+
 class ReportingCallbacks(OpenedBy):
     """The trackers the Trainer's ``report_to`` callbacks opened: the forecast and the summary go to them as text,
     alerts to W&B; the metrics go in the Trainer's logs, which they log. Each callback opens its tracker at its own
@@ -220,7 +223,8 @@ class ReportingCallbacks(OpenedBy):
 
     def __init__(self, trainer: Any) -> None:
         super().__init__()
-        self.callbacks = trainer.callback_handler.callbacks
+        self.callbacks = [callback for callback in trainer.callback_handler.callbacks
+                          if type(callback).__name__ in REPORTING]
 
     def opened(self) -> List[Tracker]:
         found: List[Tracker] = []

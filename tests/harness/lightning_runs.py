@@ -109,11 +109,11 @@ class FabricRun:
 def run_fabric(samples: int, gas: int, epochs: int = 2, stage: int = 0, policy: Optional[str] = "warn",
                config_gas: int = 1, deepspeed: bool = True,
                before_micro_batch: Optional[Callable[[int], None]] = None, precision: Optional[str] = None,
-               data: Any = None) -> FabricRun:
+               data: Any = None, loggers: Any = None) -> FabricRun:
     """Fabric's documented accumulation loop (no_backward_sync around each backward, optimizer.step() every
     ``gas`` micro-batches of an epoch, the loss divided by ``gas``) on the one-hot linear model;
     ``before_micro_batch`` is called with the 1-based index of each micro-batch (across epochs) before it runs;
-    ``precision`` is Fabric's, and ``data`` replaces the one-hot rows."""
+    ``precision`` is Fabric's, ``data`` replaces the one-hot rows, and ``loggers`` are Fabric's."""
     cpu_distributed_env()
     import lightning as L
     import torch
@@ -127,7 +127,8 @@ def run_fabric(samples: int, gas: int, epochs: int = 2, stage: int = 0, policy: 
     strategy = DeepSpeedStrategy(config=config, parallel_devices=[torch.device("cpu", 0)],
                                  process_group_backend="gloo") if deepspeed else "auto"
     # lightning 2.0 refuses precision=None: pass it only when asked
-    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy, **({"precision": precision} if precision else {}))
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy, loggers=loggers,
+                      **({"precision": precision} if precision else {}))
     fabric.launch()
 
     class Linear(torch.nn.Module):

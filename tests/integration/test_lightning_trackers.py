@@ -80,3 +80,28 @@ def test_lightning_s_loggers_get_the_metrics_the_texts_and_the_alerts(tmp_path, 
     said = [note for note in report.notes if note.startswith("the engine skipped")]
     assert [(title, text) for title, text, _ in alerts if title == "stepsync: skipped update"] == [
         ("stepsync: skipped update", said[0])]
+
+
+def test_fabric_s_loggers_get_the_metrics_at_each_finding_each_epoch_end_and_the_end(tmp_path):
+    """Fabric's loop logs only when its user does: stepsync sends its metrics to Fabric's loggers itself. Fabric's
+    documented accumulation loop (5 micro-batches an epoch, G=2) on DeepSpeed: its optimizer.step() bypasses the
+    engine's step(), whose count stays at 0 (a drift that grows at each update, said once where it starts)."""
+    from lightning.fabric.loggers import TensorBoardLogger
+
+    from harness.lightning_runs import run_fabric
+
+    logger = TensorBoardLogger(str(tmp_path / "tb"), name="fabric")
+    result = run_fabric(5, 2, 2, loggers=[logger])
+    logger.finalize("success")
+    assert result.error is None
+    report = result.watch.report
+    drifts = [(steps, steps - engine) for _, _, steps, engine in result.batches]  # the loop's own record
+    first = next(row for row in drifts if row[1])
+    ends = [row for row, (_, batch_idx, _, _) in zip(drifts, result.batches) if batch_idx == 4]
+    assert (first, ends) == ((1, 1), [(2, 2), (4, 4)])
+    scalars, texts = tensorboard(tmp_path / "tb")
+    # where the drift is found, at each epoch end, then at the end
+    assert scalars["stepsync/drift"] == [(step, float(drift)) for step, drift in [first, *ends, ends[-1]]]
+    assert scalars["stepsync/micro_batches_unapplied"] == [(4, 10.0)]  # the engine's window that never closed
+    assert [text for _, text in texts["stepsync/summary/text_summary"]] == [
+        "\n".join("    " + line for line in str(report).splitlines())]

@@ -69,6 +69,24 @@ def test_each_finding_is_the_report_s_value():
     assert set(finding_metrics(found)) <= {m.name for m in FINDINGS}
 
 
+ALONE = [("engine_skipped", 1, "stepsync/updates_skipped"), ("lost_micro_batches", 2, "stepsync/micro_batches_lost"),
+         ("updates_unsynced", 1, "stepsync/updates_unsynced"), ("windows_dropped", 1, "stepsync/windows_dropped"),
+         ("dropped_micro_batches", {1: 3}, "stepsync/micro_batches_dropped"),
+         ("unapplied_micro_batches", 1, "stepsync/micro_batches_unapplied"),
+         ("weight_faults", ["a"], "stepsync/update_flaws"), ("update_flaws", ["a"], "stepsync/update_flaws"),
+         ("corrections", 1, "stepsync/corrections"), ("non_finite", NonFiniteUpdate(1, 2, 3),
+                                                      "stepsync/non_finite_at_update"),
+         ("ranks_apart", RanksApart(1, 0, 0, None, "train begin", 2), "stepsync/ranks_apart_at_update"),
+         ("clip_in_force", 0.0, "stepsync/gradient_clipping"),
+         ("g_in_force", 2, "stepsync/gradient_accumulation_steps")]
+
+
+@pytest.mark.parametrize("field, value, metric", ALONE)
+def test_each_finding_alone_is_logged(field, value, metric):
+    """finding_metrics answers a report without findings before building anything: each finding alone passes."""
+    assert metric in finding_metrics(report(**{field: value}))
+
+
 def test_the_forecast_as_text_has_each_epoch_and_the_verdict():
     predicted = forecast(RunPlan(7, 2, 2), behaviour_of(Stack("5.24.0", "1.7.0", "0.19.8")))  # the drifting stack
     text = forecast_text(predicted).splitlines()
