@@ -39,17 +39,21 @@ def as_code(text):
     return "\n".join("    " + line for line in text.splitlines())
 
 
-def engine_counts():
-    """A Trainer callback of the test's own: at each log, the Trainer's count and the engine's counters."""
+def engine_counts(folder):
+    """A Trainer callback of the test's own: at each log, the Trainer's count and the engine's counters; at the
+    first, the texts TensorBoard holds by then under ``folder``."""
     from transformers import TrainerCallback
 
     class Counts(TrainerCallback):
         rows = []
         trainer = None
+        texts_at_first_log = None
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             engine = Counts.trainer.model_wrapped
             Counts.rows.append((state.global_step, engine.global_steps, engine.skipped_steps))
+            if Counts.texts_at_first_log is None:
+                Counts.texts_at_first_log = sorted(tensorboard(folder)[1])
 
     return Counts
 
@@ -58,7 +62,7 @@ def test_the_trainer_s_findings_reach_tensorboard_mlflow_and_wandb(trackers):
     from harness.nonfinite import nan_trainer
     from harness.runs import run
 
-    counts = engine_counts()
+    counts = engine_counts(trackers)
     result = run(trackers, 7, 2, 2, stage=2, report_to=list(TRACKERS), trainer_class=nan_trainer(3),
                  extra_callbacks=[counts()], on_trainer=lambda trainer: setattr(counts, "trainer", trainer))
     assert result.error is None
@@ -69,6 +73,8 @@ def test_the_trainer_s_findings_reach_tensorboard_mlflow_and_wandb(trackers):
     drift = [(steps, steps - engine) for steps, engine, _ in truth]
     skipped = [(steps, skips) for steps, _, skips in truth if skips]
 
+    # the forecast is there from the first log on, not only at the end
+    assert "stepsync/forecast/text_summary" in counts.texts_at_first_log
     scalars, texts = tensorboard(trackers)
     assert scalars["train/stepsync/drift"] == [(step, float(value)) for step, value in drift]
     assert scalars["train/stepsync/updates_skipped"] == [(step, float(value)) for step, value in skipped]
