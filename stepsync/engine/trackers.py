@@ -51,7 +51,13 @@ class MLflowRun(Tracker):
     def __init__(self, client: Any, run_id: Optional[str] = None) -> None:
         self.client, self.run_id = client, run_id
 
+    def _ended(self) -> bool:
+        # the module would start a run of its own for a call made after the user's ended: none is made
+        return self.run_id is None and self.client.active_run() is None
+
     def metrics(self, values: Dict[str, float], step: int) -> None:
+        if self._ended():
+            return
         if self.run_id is None:
             self.client.log_metrics(dict(values), step=step)
         else:
@@ -59,6 +65,8 @@ class MLflowRun(Tracker):
                 self.client.log_metric(self.run_id, name, value, step=step)
 
     def text(self, name: str, text: str, step: int) -> None:
+        if self._ended():
+            return
         if self.run_id is None:
             self.client.log_text(text, f"{name}.txt")
         else:

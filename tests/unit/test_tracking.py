@@ -201,6 +201,26 @@ def test_each_tracker_is_known_by_its_own_calls():
         tracker_of(42)
 
 
+def test_mlflow_without_an_active_run_gets_nothing_rather_than_a_run_of_its_own():
+    class Mlflow:  # the module's calls, its run ended
+        calls = []
+
+        def active_run(self):
+            return None
+
+        def log_metrics(self, metrics, step=None):
+            self.calls.append("metrics")
+
+        def log_text(self, text, artifact_file):
+            self.calls.append("text")
+
+    module = Mlflow()
+    tracker = tracker_of(module)
+    tracker.metrics({"stepsync/drift": 1}, 4)
+    tracker.text("stepsync/summary", "done", 4)
+    assert module.calls == []
+
+
 def test_a_callable_gets_metrics_and_texts_by_name():
     got = []
     tracker = tracker_of(lambda values, step: got.append((values, step)))
