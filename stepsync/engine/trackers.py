@@ -147,31 +147,6 @@ class AcceleratorTrackers(OpenedBy):
         return found
 
 
-class LightningLoggers(OpenedBy):
-    """The loggers of a Lightning ``Trainer`` or of ``Fabric`` (``owner.loggers``): texts and alerts through each
-    one's ``experiment``, metrics (those Lightning's own ``log`` does not carry) through its ``log_metrics``."""
-
-    def __init__(self, owner: Any) -> None:
-        super().__init__()
-        self.owner = owner
-
-    def metrics(self, values: Dict[str, float], step: int) -> None:
-        for each in getattr(self.owner, "loggers", None) or ():
-            each.log_metrics(dict(values), step)
-
-    def opened(self) -> List[Tracker]:
-        found: List[Tracker] = []
-        for each in getattr(self.owner, "loggers", None) or ():
-            name = type(each).__name__
-            if name == "TensorBoardLogger":
-                found.append(TensorBoardWriter(each.experiment))
-            elif name == "MLFlowLogger":
-                found.append(MLflowRun(each.experiment, each.run_id))
-            elif name == "WandbLogger":
-                found.append(WandbRun(each.experiment))
-        return found
-
-
 class CallableTracker(Tracker):
     """``tracker(values, step)``: metrics as numbers; a text as ``{name: text}``."""
 

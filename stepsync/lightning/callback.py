@@ -23,7 +23,6 @@ from ..engine.optimizer import count_optimizer_steps
 from ..engine.policies import WatchOnly, action_for, last_whole_window
 from ..engine.resume import record_of
 from ..engine.run import Run
-from ..engine.trackers import LightningLoggers
 from ..engine.watch import FrameworkWatch
 from . import lightning as lightning_facts
 
@@ -146,7 +145,7 @@ class StepSyncCallback(Callback, FrameworkWatch):
             stood = position(record.layout, record.next_epoch, record.next_skip)
             shift = replayed_epoch_shift(record.layout, layout, stood, epoch, batch_idx, self._batches or n,
                                          trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None)
-        self._tracking.trackers[:] = [LightningLoggers(trainer)]
+        self._tracking.trackers[:] = [lightning_facts.LightningLoggers(trainer)]
         self._tracking.sends_last_metrics = True
         self._open(RunStart(LIGHTNING, self.policy, engine, behaviour, self._batches or n, g, self.output,
                             is_main=trainer.is_global_zero, trainer_steps=trainer.global_step,

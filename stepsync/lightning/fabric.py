@@ -34,7 +34,6 @@ from ..engine.loop_objects import length_of
 from ..engine.optimizer import OptimizerSteps, count_optimizer_steps
 from ..engine.policies import loop_action_for
 from ..engine.run import Run
-from ..engine.trackers import LightningLoggers
 from ..engine.watch import UserLoopWatch
 from . import lightning as lightning_facts
 
@@ -92,7 +91,7 @@ class FabricWatch(UserLoopWatch):
         else:
             behaviour, gas, warning = self._on_deepspeed(engine, behaviour)
         # Fabric's loop logs when the user does: the metrics go to its loggers from here
-        self._tracking.trackers[:] = [LightningLoggers(self.fabric)]
+        self._tracking.trackers[:] = [lightning_facts.LightningLoggers(self.fabric)]
         self._tracking.sends_metrics = self._tracking.sends_last_metrics = True
         run = self._open(RunStart(FABRIC_LOOP, self.policy, engine, behaviour, length_of(dataloader), gas,
                                   self.output, is_main=bool(getattr(self.fabric, "is_global_zero", True)),

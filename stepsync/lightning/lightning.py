@@ -4,11 +4,12 @@ imports Lightning at load time."""
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from ..core.frameworks import LIGHTNING
 from ..core.relayout import Layout
 from ..engine.deepspeed import is_engine
+from ..engine.trackers import MLflowRun, OpenedBy, TensorBoardWriter, Tracker, WandbRun
 
 
 def uses_deepspeed(strategy: Any) -> bool:
@@ -118,3 +119,28 @@ def add_metrics(module: Any, lightning_steps: int, engine_steps: int, updates: O
                drift: float(lightning_steps - engine_steps)}
     metrics.update((key, float(value)) for key, value in (updates or {}).items())
     module.log_dict(metrics, on_step=True, on_epoch=False)
+
+
+class LightningLoggers(OpenedBy):
+    """The loggers of a Lightning ``Trainer`` or of ``Fabric`` (``owner.loggers``): texts and alerts through each
+    one's ``experiment``, metrics (those Lightning's own ``log`` does not carry) through its ``log_metrics``."""
+
+    def __init__(self, owner: Any) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def metrics(self, values: Dict[str, float], step: int) -> None:
+        for each in getattr(self.owner, "loggers", None) or ():
+            each.log_metrics(dict(values), step)
+
+    def opened(self) -> List[Tracker]:
+        found: List[Tracker] = []
+        for each in getattr(self.owner, "loggers", None) or ():
+            name = type(each).__name__
+            if name == "TensorBoardLogger":
+                found.append(TensorBoardWriter(each.experiment))
+            elif name == "MLFlowLogger":
+                found.append(MLflowRun(each.experiment, each.run_id))
+            elif name == "WandbLogger":
+                found.append(WandbRun(each.experiment))
+        return found

@@ -252,3 +252,14 @@ def test_a_text_said_before_the_framework_opens_its_tracker_waits_for_it():
     tracker.catch_up()
     tracker.catch_up()
     assert opened.writer.calls == [("text", "stepsync/forecast", "    f", 0), ("flush",)]
+
+
+def test_an_accelerate_loop_handed_a_tracker_is_told_where_its_findings_go():
+    import stepsync
+
+    class Accelerator:  # neither an engine nor a sharded or replicated model
+        trackers: list = []
+
+    with pytest.raises(StepSyncConfigError, match=r"an accelerate loop's findings go to the trackers its Accelerator "
+                                                  r"initialised \(accelerator.init_trackers\); leave tracker= out"):
+        stepsync.watch(Accelerator(), tracker=print)
