@@ -26,7 +26,7 @@ from ..core.events import Cause
 from ..core.frameworks import ACCELERATE_LOOP
 from ..core.plan import RunPlan
 from ..core.tokens import Normalisation
-from ..core.tracking import finding_metrics
+from ..core.tracking import run_metrics
 from ..core.versions import EngineBoundary
 from ..engine.deepspeed import engine_facts, is_engine, zero_loss
 from ..engine.faults import guarded
@@ -233,7 +233,7 @@ class LoopWatch(UserLoopWatch):
             self._since_loop_update += 1
         run.after_micro_batch(updated, self.loop_steps)
         if updated and run.observing and getattr(self.accelerator, "trackers", None):
-            self._observe("accelerator.log", self._log_metrics, run.engine_steps_seen, finding_metrics(run.report))
+            self._observe("accelerator.log", self._log_metrics, run)
         # The dataloader says its end as it yields its last batch: a loop that gathers its window first (accelerate's
         # autoregressive example) runs several micro-batches after that. The epoch ends at the last of them.
         if self._dataloader_ended and (run.n is None or run.position >= run.n):
@@ -270,10 +270,8 @@ class LoopWatch(UserLoopWatch):
                                                f"\"gradient_clipping\": {max_norm:g} in the DeepSpeed config",
                          "at your loop's first clip_grad_norm_")
 
-    def _log_metrics(self, engine_steps: int, updates: dict) -> None:
-        loop, engine, drift = ACCELERATE_LOOP.metric_keys
-        self.accelerator.log({loop: self.loop_steps, engine: engine_steps, drift: self.loop_steps - engine_steps,
-                              **updates}, step=self.loop_steps)
+    def _log_metrics(self, run: Run) -> None:
+        self.accelerator.log(run_metrics(run.report, self.loop_steps, run.engine_steps_seen), step=self.loop_steps)
         self._tracking.catch_up()
 
     # ------------------------------------------------------------ end

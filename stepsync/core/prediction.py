@@ -115,6 +115,16 @@ class Forecast(Counted):
         return forecast_dict(self)
 
 
+SHOWN_EPOCHS = 20  # a forecast table longer than this shows its first and last epochs only
+
+
+def shown_epochs(forecast: Forecast) -> List[EpochForecast]:
+    """The epochs a table of ``forecast`` shows: every one, or the first and last ``SHOWN_EPOCHS // 2`` of a longer
+    run (the rows between are left out after the first half)."""
+    epochs = forecast.epochs
+    return epochs if len(epochs) <= SHOWN_EPOCHS else epochs[:SHOWN_EPOCHS // 2] + epochs[-SHOWN_EPOCHS // 2:]
+
+
 def ends_early(forecast: Forecast) -> Optional[str]:
     """Why the run ends before the epochs (or the ``max_steps``) asked for, or None when it does not.
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Dict, NamedTuple, Optional, Tuple
 
+from .prediction import SHOWN_EPOCHS, shown_epochs
+
 if TYPE_CHECKING:  # pragma: no cover
     from .prediction import Forecast
     from .report import SyncReport
@@ -118,16 +120,15 @@ def run_metrics(report: SyncReport, counted: int, made: Optional[int] = None) ->
 
 
 def forecast_text(forecast: Forecast) -> str:
-    """The forecast in plain lines: what it rests on, each epoch's counts (the first and last ten of a long run),
-    its verdict."""
+    """The forecast in plain lines: what it rests on, each epoch's counts (the rows its table shows), its
+    verdict."""
     plan, who = forecast.plan, forecast.behaviour.framework.who
     lines = [f"stepsync forecast: N={plan.micro_batches_per_epoch} micro-batches/epoch, "
              f"G={plan.gradient_accumulation_steps}, policy '{forecast.policy.value}'",
              f"{'epoch':>6} {who + ' steps':>16} {'engine steps':>13} {'drift':>6}"]
-    epochs = forecast.epochs
-    shown = epochs if len(epochs) <= 20 else epochs[:10] + epochs[-10:]
+    shown = shown_epochs(forecast)
     for index, row in enumerate(shown):
-        if index == 10 and len(shown) < len(epochs):
+        if index == SHOWN_EPOCHS // 2 and len(shown) < len(forecast.epochs):
             lines.append(f"{'...':>6}")
         lines.append(f"{row.epoch:>6} {row.trainer_steps:>16} {row.engine_steps:>13} {row.drift:>+6d}")
     lines.append(forecast.verdict())

@@ -15,7 +15,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from ..core.prediction import EpochForecast, Forecast
+from ..core.prediction import SHOWN_EPOCHS, EpochForecast, Forecast, shown_epochs
 from ..core.report import DriftEvent, SyncReport
 from ..core.versions import installed_version
 
@@ -98,8 +98,7 @@ def forecast_table(forecast: Forecast, title: Optional[str] = None) -> Table:
             columns.append((header, _shown(field)))
     title = title or (f"stepsync forecast: N={plan.micro_batches_per_epoch} micro-batches/epoch, "
                       f"G={plan.gradient_accumulation_steps}, policy '{forecast.policy.value}'")
-    epochs = forecast.epochs
-    shown = epochs if len(epochs) <= SHOWN_EPOCHS else epochs[:SHOWN_EPOCHS // 2] + epochs[-SHOWN_EPOCHS // 2:]
+    epochs, shown = forecast.epochs, shown_epochs(forecast)
     rows = [[cell(row) for _, cell in columns] for row in shown]
     stack, packages = forecast.behaviour.stack, forecast.behaviour.framework.packages
     # the releases that decide this framework's counting: as the stack names them, else as installed here
@@ -112,8 +111,6 @@ def forecast_table(forecast: Forecast, title: Optional[str] = None) -> Table:
     table.caption = table_caption
     return table
 
-
-SHOWN_EPOCHS = 20  # a forecast table longer than this shows its first and last epochs only
 
 
 def verdict_text(forecast: Forecast, said: Optional[str] = None) -> Text:

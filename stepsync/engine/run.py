@@ -189,8 +189,7 @@ class Run:
         self.trainer_steps_seen = trainer_steps
         if self.observing:
             self.observe(self._close_epoch, trainer_steps)
-            if self.voice.tracking.sends_metrics:
-                self.observe(self.voice.track, trainer_steps, self.engine_steps_seen)
+            self.observe(self.voice.track, trainer_steps, self.engine_steps_seen)
         return steering
 
     def finish(self, trainer_steps: int) -> bool:

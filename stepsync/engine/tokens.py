@@ -191,12 +191,12 @@ class TokenWeights:
         if not pending:
             self.remove()
         if wrong and self.run.policy.stops:
-            if self.named is not None and not self.named.as_expected:
-                self.run.voice.alert("loss normalisation", f"loss normalisation: {self.named.message()}")
+            named = self.named if self.named is not None and not self.named.as_expected else None
+            if named is not None:
+                self.run.voice.alert("loss normalisation", f"loss normalisation: {named.message()}")
             self.remove()
             self.run.stopped = True
-            raise LossNormalisationError(self.named if self.named is not None and not self.named.as_expected
-                                         else None)
+            raise LossNormalisationError(named)
 
     def _window_ends(self) -> bool:
         """Whether this backward's micro-batch closes the window the next update applies: the engine's boundary, or
